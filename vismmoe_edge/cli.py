@@ -1,0 +1,129 @@
+"""The `vismmoe-edge` command: thin Typer shells over the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vismmoe_edge.errors import VismmoeError
+
+app = typer.Typer(
+    help="Run vision-language MoE models larger than memory (Jetson Orin, desktop GPUs, CPU).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+ModelOpt = Annotated[
+    Path | None, typer.Option("--model", help="Hugging Face model directory; omit to use the built-in demo model")
+]
+BudgetOpt = Annotated[
+    str,
+    typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
+]
+PinnedOpt = Annotated[int, typer.Option("--pinned-layers", min=0, help="first N MoE layers keep every expert resident")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def run(
+    prompt: Annotated[str, typer.Option("--prompt", help="the question or instruction")],
+    model: ModelOpt = None,
+    image: Annotated[list[Path] | None, typer.Option("--image", help="image file; repeat for several")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
+    memory_budget: BudgetOpt = "100%",
+    pinned_layers: PinnedOpt = 0,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 decodes greedily")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="seed for sampling")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
+) -> None:
+    """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    from vismmoe_edge.sampling import SamplingConfig
+
+    try:
+        images: list[Path] = list(image or [])
+        if model is None:
+            from vismmoe_edge.demo import ensure_sample_image
+
+            typer.echo(
+                "note: no --model given: using the built-in demo model, which has RANDOM weights "
+                "(its replies are noise; it shows the machinery).",
+                err=True,
+            )
+            if not images:
+                images = [ensure_sample_image()]
+        from vismmoe_edge.loader import load
+
+        engine = load(model, memory_budget=memory_budget, pinned_layers=pinned_layers, device=device, dtype=dtype)
+        inputs = engine.encode(prompt, images)
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
+        result = engine.generate_from_inputs(inputs, sampling, on_text=on_text)
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
+
+    if as_json:
+        typer.echo(json.dumps(result.as_dict()))
+        return
+    from vismmoe_edge.experts.cache import format_bytes
+
+    t, x = result.timings, result.experts
+    typer.echo("")
+    typer.echo(
+        f"[prefill {t.prefill_s * 1000:.0f} ms for {len(result.prompt_token_ids)} tokens | "
+        f"decode {t.decode_tokens_per_s:.2f} tok/s over {t.decode_tokens} tokens | stop: {result.stop_reason}]",
+        err=True,
+    )
+    typer.echo(
+        f"[experts: {int(x['hits'])} hits, {int(x['misses'])} misses ({x['hit_rate']:.1%} hit rate), "
+        f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
+        err=True,
+    )
+
+
+@app.command()
+def info(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
+    memory_budget: BudgetOpt = "100%",
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Describe a checkpoint: its MoE shape, resident and expert bytes, and which pinned depths fit a budget."""
+    from vismmoe_edge.describe import describe_checkpoint, format_description
+
+    try:
+        description = describe_checkpoint(model_dir, memory_budget)
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    typer.echo(json.dumps(description, indent=2) if as_json else format_description(description))
+
+
+@app.command()
+def doctor() -> None:
+    """Check this machine: Python, torch, transformers, CUDA, Jetson, jtop, onnxruntime, kernel features."""
+    from vismmoe_edge.doctor import format_checks, run_checks
+
+    checks = run_checks()
+    typer.echo(format_checks(checks))
+    if any(not c.ok and c.required for c in checks):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Our own prefill layer loop and decode loop over transformers' Qwen3-VL-MoE layers.
+
+transformers' `generate` cannot continue a sequence that was shortened mid-stack, and visual-token
+compression needs exactly that, so the engine owns the loop: embeddings, M-RoPE positions computed once,
+the DeepStack injections after the first layers, a DynamicCache, sampling and streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from vismmoe_edge.checkpoint import ExpertCatalogue
+from vismmoe_edge.experts.cache import ExpertCache
+from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
+from vismmoe_edge.sampling import Sampler, SamplingConfig
+
+
+@dataclass
+class Timings:
+    vision_s: float = 0.0
+    prefill_s: float = 0.0  # vision tower included
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "vision_s": self.vision_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens": self.decode_tokens,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stop_reason: str  # "stop_token" or "max_new_tokens" or "cancelled"
+    timings: Timings
+    experts: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "stop_reason": self.stop_reason,
+            "timings": self.timings.as_dict(),
+            "experts": self.experts,
+        }
+
+
+@dataclass
+class DecodeState:
+    cache: DynamicCache
+    next_position: int  # decode positions continue the original numbering (max prompt position + 1)
+
+
+class Engine:
+    """One loaded model. Not thread-safe: a server serialises requests in front of it."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        cache: ExpertCache,
+        catalogue: ExpertCatalogue,
+        *,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_token_ids: list[int],
+        is_demo: bool = False,
+    ) -> None:
+        self.model = model
+        self.processor = processor
+        self.expert_cache = cache
+        self.catalogue = catalogue
+        self.model_dir = model_dir
+        self.device = device
+        self.dtype = dtype
+        self.eos_token_ids = eos_token_ids
+        self.is_demo = is_demo
+        self.language_model = model.model.language_model
+        self.text_config = self.language_model.config
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
+        loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
+        return encode_prompt(self.processor, prompt, loaded)
+
+    # ---- prefill ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inputs: PromptInputs, timings: Timings | None = None) -> tuple[torch.Tensor, DecodeState]:
+        """Run the whole prompt through every layer; return last-position logits [vocab] and the decode state."""
+        timings = timings or Timings()
+        lm = self.language_model
+        input_ids = inputs.input_ids.to(self.device)
+        hidden = lm.embed_tokens(input_ids)
+        visual_mask = None
+        deepstack: list[torch.Tensor] = []
+        if inputs.pixel_values is not None:
+            start = time.perf_counter()
+            grid = inputs.image_grid_thw.to(self.device)
+            vision = self.model.model.get_image_features(inputs.pixel_values.to(self.device, self.dtype), grid)
+            timings.vision_s = time.perf_counter() - start
+            image_embeds = torch.cat(vision.pooler_output).to(hidden.dtype)
+            deepstack = [torch.cat(features) for features in vision.deepstack_features]
+            visual_mask = input_ids == self.model.config.image_token_id
+            if int(visual_mask.sum()) != image_embeds.shape[0]:
+                raise ValueError(
+                    f"prompt has {int(visual_mask.sum())} image tokens, images give {image_embeds.shape[0]}"
+                )
+            hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
+            positions, _ = self.model.model.get_rope_index(
+                input_ids, mm_token_type_ids=inputs.mm_token_type_ids.to(self.device), image_grid_thw=grid
+            )
+        else:
+            positions = torch.arange(input_ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+
+        cache = DynamicCache(config=self.text_config)
+        cos_sin = lm.rotary_emb(hidden, positions)
+        mask = create_causal_mask(
+            config=self.text_config,
+            inputs_embeds=hidden,
+            attention_mask=torch.ones(input_ids.shape, dtype=torch.long, device=self.device),
+            cache=cache,
+        )
+        for i, layer in enumerate(lm.layers):
+            hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=cos_sin)
+            if i < len(deepstack) and visual_mask is not None:
+                hidden = lm._deepstack_process(hidden, visual_mask, deepstack[i])
+        logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
+        return logits, DecodeState(cache=cache, next_position=int(positions.max()) + 1)
+
+    # ---- decode -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
+        lm = self.language_model
+        hidden = lm.embed_tokens(torch.tensor([[token_id]], device=self.device))
+        positions = torch.full((3, 1, 1), state.next_position, device=self.device, dtype=torch.long)
+        cos_sin = lm.rotary_emb(hidden, positions)
+        past = state.cache.get_seq_length()
+        mask = create_causal_mask(
+            config=self.text_config,
+            inputs_embeds=hidden,
+            attention_mask=torch.ones((1, past + 1), dtype=torch.long, device=self.device),
+            cache=state.cache,
+        )
+        for layer in lm.layers:
+            hidden = layer(hidden, attention_mask=mask, cache=state.cache, position_embeddings=cos_sin)
+        state.next_position += 1
+        return self.model.lm_head(lm.norm(hidden))[0, -1]
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def stream(
+        self,
+        inputs: PromptInputs,
+        sampling: SamplingConfig | None = None,
+        *,
+        timings: Timings | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[int]:
+        """Yield token ids as they are produced. `should_stop` is polled between tokens (cancellation)."""
+        sampling = sampling or SamplingConfig()
+        sampling.validate()
+        stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
+        sampler = Sampler(sampling, stop_ids)
+        timings = timings if timings is not None else Timings()
+        start = time.perf_counter()
+        logits, state = self.prefill(inputs, timings)
+        token = sampler(logits, 0)
+        timings.prefill_s = time.perf_counter() - start
+        produced = 1
+        yield token
+        decode_start = time.perf_counter()
+        while produced < sampling.max_new_tokens and token not in stop_ids:
+            if should_stop is not None and should_stop():
+                return
+            logits = self.decode_step(token, state)
+            token = sampler(logits, produced)
+            produced += 1
+            timings.decode_tokens += 1
+            timings.decode_s = time.perf_counter() - decode_start
+            yield token
+
+    def generate(
+        self,
+        prompt: str,
+        images: list[str | Path | Image.Image] | None = None,
+        sampling: SamplingConfig | None = None,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """Generate a reply to `prompt` about `images`; `on_text` receives text pieces as they are decoded."""
+        return self.generate_from_inputs(
+            self.encode(prompt, images), sampling, on_text=on_text, should_stop=should_stop
+        )
+
+    def generate_from_inputs(
+        self,
+        inputs: PromptInputs,
+        sampling: SamplingConfig | None = None,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        sampling = sampling or SamplingConfig()
+        stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
+        self.expert_cache.reset_stats()
+        timings = Timings()
+        tokens: list[int] = []
+        text = TextStream(self.processor.tokenizer)
+        for token in self.stream(inputs, sampling, timings=timings, should_stop=should_stop):
+            tokens.append(token)
+            piece = text.push(token) if token not in stop_ids else ""
+            if on_text is not None and piece:
+                on_text(piece)
+        if on_text is not None and (tail := text.finish()):
+            on_text(tail)
+        if tokens and tokens[-1] in stop_ids:
+            reason = "stop_token"
+        elif len(tokens) >= sampling.max_new_tokens:
+            reason = "max_new_tokens"
+        else:
+            reason = "cancelled"
+        return GenerationResult(
+            prompt_token_ids=inputs.input_ids[0].tolist(),
+            token_ids=tokens,
+            text=text.text,
+            stop_reason=reason,
+            timings=timings,
+            experts=self.expert_cache.stats.as_dict(),
+        )
+
+
+class TextStream:
+    """Incremental detokenisation: emit only text that can no longer change (no half UTF-8 characters)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if decoded.endswith("\ufffd"):
+            return ""
+        piece, self.text = decoded[len(self.text) :], decoded
+        return piece
+
+    def finish(self) -> str:
+        """Flush what was held back (a reply may really end in an invalid byte sequence)."""
+        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece, self.text = decoded[len(self.text) :], decoded
+        return piece

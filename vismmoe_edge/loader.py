@@ -1,0 +1,92 @@
+"""`load(...)`: open a checkpoint directory and return a ready Engine. The one entry point of the Python API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, read_tensor_table
+from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
+from vismmoe_edge.engine import Engine
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.cache import ExpertCache
+from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+from vismmoe_edge.models import qwen3_vl_moe
+
+
+def checkpoint_dtype(catalogue: ExpertCatalogue) -> torch.dtype:
+    part = next(iter(catalogue.experts.values())).parts[0]
+    return TORCH_DTYPES[part.dtype]
+
+
+def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[int]:
+    """Stop tokens: generation_config.json first (it lists <|im_end|> for chat models), then config, tokenizer."""
+    candidates: list[object] = []
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        try:
+            candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as e:
+            raise VismmoeError(f"{gen_path}: not valid JSON ({e})") from e
+    candidates.append(getattr(config.get_text_config(), "eos_token_id", None))  # type: ignore[attr-defined]
+    candidates.append(getattr(tokenizer, "eos_token_id", None))
+    for value in candidates:
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, list) and value:
+            return [int(v) for v in value]
+    return []
+
+
+def load(
+    model_dir: str | Path | None = None,
+    *,
+    memory_budget: str = "100%",
+    pinned_layers: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Engine:
+    """Load a Qwen3-VL-MoE checkpoint with its routed experts left on disk.
+
+    model_dir: a Hugging Face model directory; None uses the built-in demo model (created on first use).
+    memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
+        of all routed-expert bytes at the compute dtype.
+    pinned_layers: the first N MoE layers keep all their experts resident.
+    """
+    from vismmoe_edge.processor import load_processor
+
+    is_demo = model_dir is None
+    if model_dir is None:
+        from vismmoe_edge.demo import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    model_dir = Path(model_dir).expanduser()
+    config = qwen3_vl_moe.read_config(model_dir)
+    table = read_tensor_table(model_dir)
+    catalogue = qwen3_vl_moe.catalogue_for(config, table)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, checkpoint_dtype(catalogue), torch_device)
+    processor = load_processor(model_dir)
+
+    moe_layers = catalogue.moe_layers
+    if not 0 <= pinned_layers <= len(moe_layers):
+        raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")
+    files = ShardFiles()
+    store = ExpertStore(catalogue, files, torch_dtype, torch_device)
+    total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
+    budget = parse_budget(memory_budget, total_expert_bytes)
+    cache = ExpertCache(store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers])
+    model = qwen3_vl_moe.build_model(config, table, catalogue, files, cache, dtype=torch_dtype, device=torch_device)
+    return Engine(
+        model,
+        processor,
+        cache,
+        catalogue,
+        model_dir=model_dir,
+        device=torch_device,
+        dtype=torch_dtype,
+        eos_token_ids=eos_token_ids(model_dir, config, processor.tokenizer),
+        is_demo=is_demo,
+    )

@@ -1,0 +1,68 @@
+"""Turn a text prompt and image files into model inputs through the checkpoint's own processor and chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from vismmoe_edge.errors import VismmoeError
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # refuse decompression bombs before the processor resizes them
+
+
+@dataclass
+class PromptInputs:
+    """What the engine consumes: token ids, and for images the patches and their grids (batch of one)."""
+
+    input_ids: torch.Tensor  # [1, N]
+    pixel_values: torch.Tensor | None = None  # [patches, C*T*P*P]
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    mm_token_type_ids: torch.Tensor | None = None  # [1, N]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open an image file fully now, so that a bad file fails here with its name and not inside the processor."""
+    path = Path(path)
+    if not path.exists():
+        raise VismmoeError(f"{path}: image file not found")
+    if path.is_dir():
+        raise VismmoeError(f"{path}: is a directory, not an image file")
+    try:
+        with Image.open(path) as img:
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise VismmoeError(f"{path}: image is {img.width}x{img.height}, larger than {MAX_IMAGE_PIXELS} pixels")
+            img.load()
+            return img.convert("RGB")
+    except UnidentifiedImageError as e:
+        raise VismmoeError(f"{path}: not an image PIL can read (PNG, JPEG, WebP, ...)") from e
+    except (OSError, Image.DecompressionBombError, ValueError) as e:
+        raise VismmoeError(f"{path}: cannot read image ({e})") from e
+
+
+def build_messages(prompt: str, num_images: int) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+    content.append({"type": "text", "text": prompt})
+    return [{"role": "user", "content": content}]
+
+
+def encode_prompt(processor: Any, prompt: str, images: list[Image.Image]) -> PromptInputs:
+    if not prompt.strip():
+        raise VismmoeError("the prompt is empty; pass --prompt TEXT")
+    text = processor.apply_chat_template(
+        build_messages(prompt, len(images)), tokenize=False, add_generation_prompt=True
+    )
+    encoded = processor(text=[text], images=images or None, return_tensors="pt")
+    return PromptInputs(
+        input_ids=encoded["input_ids"],
+        pixel_values=encoded.get("pixel_values"),
+        image_grid_thw=encoded.get("image_grid_thw"),
+        mm_token_type_ids=encoded.get("mm_token_type_ids"),
+    )
