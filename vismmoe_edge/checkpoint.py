@@ -280,7 +280,7 @@ def build_expert_catalogue(
                 raise VismmoeError(f"layer {layer}: missing tensor mlp.experts.{e}.{kind}.weight in the checkpoint")
             if info.shape != shape:
                 raise VismmoeError(
-                    f"{info.shard}: tensor {info.name} has shape {list(info.shape)}, "
+                    f"{info.shard}: tensor {info.name} has shape {list(info.shape)},"
                     f" expected {list(shape)} from config.json"
                 )
             names.add(info.name)
@@ -290,6 +290,14 @@ def build_expert_catalogue(
         experts[(layer, e)] = ExpertLocation(layer, e, tuple(parts))
         layouts.add("per_expert")
 
+    dtypes = {(p.dtype, p.shard.name) for loc in experts.values() for p in loc.parts}
+    if len({d for d, _ in dtypes}) > 1:
+        found = ", ".join(sorted(f"{d} in {s}" for d, s in dtypes)[:4])
+        raise VismmoeError(f"expert tensors mix dtypes ({found}); the checkpoint is inconsistent")
+    if not TORCH_DTYPES[next(iter(dtypes))[0]].is_floating_point:
+        raise VismmoeError(
+            f"expert tensors have dtype {next(iter(dtypes))[0]}; quantised experts are not supported yet"
+        )
     moe_layers = sorted({layer for layer, _ in experts})
     for layer in moe_layers:
         for e in range(num_experts):

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny real Qwen3-VL-MoE checkpoints (built once per session) and sample images."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests must not touch the user's cache: the demo model and sample image go to a temporary XDG cache.
+os.environ.setdefault("VISMMOE_EDGE_CACHE", str(Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / "vismmoe-test-cache"))
+torch.set_num_threads(2)
+
+# 10 MoE layers so that a 25% budget still leaves room for streamed experts beside a 2-layer pinned prefix.
+TEST_LAYERS = 10
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same random weights written in each expert layout (fp32, several shards)."""
+    from vismmoe_edge.demo import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        layout: build_tiny_checkpoint(root / layout, seed=7, layout=layout, num_layers=TEST_LAYERS)
+        for layout in ("v5", "hub", "per_expert")
+    }
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two different images of different sizes (different visual grids)."""
+    from PIL import Image, ImageDraw
+
+    root = tmp_path_factory.mktemp("img")
+    paths = []
+    for i, (w, h) in enumerate([(224, 160), (128, 192)]):
+        img = Image.new("RGB", (w, h), (30 + 100 * i, 120, 200 - 80 * i))
+        draw = ImageDraw.Draw(img)
+        draw.ellipse((10, 10, 10 + w // 3, 10 + h // 3), fill=(220, 30, 30))
+        draw.rectangle((w // 2, h // 2, w - 8, h - 8), fill=(20, 20, 220))
+        path = root / f"img{i}.png"
+        img.save(path)
+        paths.append(path)
+    return paths
