@@ -10,6 +10,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from tqdm.auto import tqdm
+
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 
@@ -98,9 +100,9 @@ class ExpertCache:
         self._pinned: dict[ExpertKey, ExpertWeights] = {}
         self._cached: dict[ExpertKey, ExpertWeights] = {}
         self._cached_bytes = 0
-        for layer in sorted(self.pinned_layers):
-            for e in range(store.catalogue.num_experts):
-                self._pinned[(layer, e)] = store.load(layer, e)
+        pinned_keys = [(layer, e) for layer in sorted(self.pinned_layers) for e in range(store.catalogue.num_experts)]
+        for key in tqdm(pinned_keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False):
+            self._pinned[key] = store.load(*key)
         self.stats.pinned_bytes = sum(w.nbytes for w in self._pinned.values())
         self.stats.bytes_read = store.bytes_read
         self._update_resident()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
@@ -102,9 +103,18 @@ def build_model(
 
     wanted = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
-    for name, info in table.items():
-        if name in catalogue.tensor_names:
-            continue
+    resident = [info for name, info in table.items() if name not in catalogue.tensor_names]
+    bar = tqdm(
+        total=sum(i.nbytes for i in resident),
+        desc="loading resident weights",
+        unit="B",
+        unit_scale=True,
+        disable=None,
+        leave=False,
+    )
+    for info in resident:
+        name = info.name
+        bar.update(info.nbytes)
         param = wanted.get(name)
         if param is None:
             if name == "lm_head.weight" and config.get_text_config().tie_word_embeddings:
@@ -118,6 +128,7 @@ def build_model(
         out = torch.empty(info.shape, dtype=target, device=device)
         out.copy_(files.tensor(info))  # a copy: the model must not keep pages of the mapping alive
         state[name] = out
+    bar.close()
     missing = [n for n in wanted if n not in state]
     if config.get_text_config().tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
