@@ -77,7 +77,7 @@ def teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> li
 def test_engine_matches_transformers(checkpoints, references, layout: str, budget: str, pinned: int) -> None:
     engine = vismmoe_edge.load(checkpoints[layout], memory_budget=budget, pinned_layers=pinned, device="cpu")
     assert engine.dtype == torch.float32
-    budget_bytes = parse_budget(budget, engine.expert_cache.store.expert_nbytes() * len(engine.catalogue.experts))
+    budget_bytes = parse_budget(budget, engine.catalogue.expert_bytes * len(engine.catalogue.experts))
     for name, ref in references.items():
         result = engine.generate_from_inputs(
             ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
@@ -86,10 +86,25 @@ def test_engine_matches_transformers(checkpoints, references, layout: str, budge
         ours = teacher_forced_logits(engine, ref.inputs, ref.tokens)
         for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
             assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
-        stats = engine.expert_cache.stats
+        stats = engine.experts.pipeline.stats
         assert stats.peak_resident_bytes <= budget_bytes
         if budget == "25%":
             assert result.experts["misses"] > 0 and result.experts["evictions"] > 0, name
+
+
+@pytest.mark.parametrize("predictor", ["next-layer-gate", "previous-token"])
+@pytest.mark.parametrize("tier", ["host"])
+def test_every_tier_and_predictor_matches_transformers(checkpoints, references, tier: str, predictor: str) -> None:
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", pinned_layers=1, tier=tier, predictor=predictor)
+    for name, ref in references.items():
+        result = engine.generate_from_inputs(
+            ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        )
+        assert result.token_ids == ref.tokens, name
+        ours = teacher_forced_logits(engine, ref.inputs, ref.tokens)
+        for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
+    assert engine.experts.pipeline.stats.speculative_bytes > 0  # the predictor really drove prefetches
 
 
 def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> None:

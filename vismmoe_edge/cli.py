@@ -78,7 +78,7 @@ def run(
     if as_json:
         typer.echo(json.dumps(result.as_dict()))
         return
-    from vismmoe_edge.experts.cache import format_bytes
+    from vismmoe_edge.units import format_bytes
 
     t, x = result.timings, result.experts
     typer.echo("")

@@ -7,7 +7,7 @@ from typing import Any
 
 from vismmoe_edge.checkpoint import read_tensor_table
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.experts.cache import format_bytes
+from vismmoe_edge.units import format_bytes
 from vismmoe_edge.models import qwen3_vl_moe
 
 

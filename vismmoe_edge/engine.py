@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.checkpoint import ExpertCatalogue
-from vismmoe_edge.experts.cache import ExpertCache
+from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 
@@ -78,7 +78,7 @@ class Engine:
         self,
         model: Any,
         processor: Any,
-        cache: ExpertCache,
+        experts: ExpertRuntime,
         catalogue: ExpertCatalogue,
         *,
         model_dir: Path,
@@ -89,7 +89,7 @@ class Engine:
     ) -> None:
         self.model = model
         self.processor = processor
-        self.expert_cache = cache
+        self.experts = experts
         self.catalogue = catalogue
         self.model_dir = model_dir
         self.device = device
@@ -223,7 +223,7 @@ class Engine:
     ) -> GenerationResult:
         sampling = sampling or SamplingConfig()
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
-        self.expert_cache.reset_stats()
+        self.experts.pipeline.reset_stats()
         timings = Timings()
         tokens: list[int] = []
         text = TextStream(self.processor.tokenizer)
@@ -246,7 +246,7 @@ class Engine:
             text=text.text,
             stop_reason=reason,
             timings=timings,
-            experts=self.expert_cache.stats.as_dict(),
+            experts=self.experts.pipeline.stats.as_dict(),
         )
 
 

@@ -11,7 +11,7 @@ from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, read_tensor_t
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.cache import ExpertCache
+from vismmoe_edge.experts.runtime import attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
 from vismmoe_edge.models import qwen3_vl_moe
 
@@ -40,6 +40,24 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
     return []
 
 
+PREDICTORS = ("none", "next-layer-gate", "previous-token")
+
+
+def make_predictor(name: str, model: object, moe_layers: list[int]) -> object | None:
+    from vismmoe_edge.predict.simple import NextLayerGatePredictor, PreviousTokenPredictor
+
+    if name not in PREDICTORS:
+        raise VismmoeError(f"--predictor {name!r}: use one of {', '.join(PREDICTORS)}")
+    if name == "none":
+        return None
+    layers = model.model.language_model.layers  # type: ignore[attr-defined]
+    top_k = layers[moe_layers[0]].mlp.gate.top_k
+    if name == "next-layer-gate":
+        gates = {i: layers[i].mlp.gate.weight for i in moe_layers}
+        return NextLayerGatePredictor(gates, top_b=2 * top_k)
+    return PreviousTokenPredictor(moe_layers)
+
+
 def load(
     model_dir: str | Path | None = None,
     *,
@@ -47,6 +65,8 @@ def load(
     pinned_layers: int = 0,
     device: str = "auto",
     dtype: str = "auto",
+    tier: str = "auto",
+    predictor: str = "none",
 ) -> Engine:
     """Load a Qwen3-VL-MoE checkpoint with its routed experts left on disk.
 
@@ -54,6 +74,9 @@ def load(
     memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
         of all routed-expert bytes at the compute dtype.
     pinned_layers: the first N MoE layers keep all their experts resident.
+    tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, for
+        Jetson and CPU hosts), "auto" (gpu on CUDA, else host).
+    predictor: what drives prefetch: "none" (demand only: LRU), "next-layer-gate", "previous-token".
     """
     from vismmoe_edge.processor import load_processor
 
@@ -77,12 +100,13 @@ def load(
     store = ExpertStore(catalogue, files, torch_dtype, torch_device)
     total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
     budget = parse_budget(memory_budget, total_expert_bytes)
-    cache = ExpertCache(store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers])
-    model = qwen3_vl_moe.build_model(config, table, catalogue, files, cache, dtype=torch_dtype, device=torch_device)
+    runtime = build_runtime(store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier)
+    model = qwen3_vl_moe.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
+    attach_predictor(runtime, make_predictor(predictor, model, catalogue.moe_layers))
     return Engine(
         model,
         processor,
-        cache,
+        runtime,
         catalogue,
         model_dir=model_dir,
         device=torch_device,

@@ -18,8 +18,7 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.cache import ExpertCache
-from vismmoe_edge.experts.compute import OffloadedExperts
+from vismmoe_edge.experts.compute import ExpertRuntime, OffloadedExperts
 from vismmoe_edge.experts.store import ShardFiles
 
 ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
@@ -88,18 +87,18 @@ def build_model(
     table: dict[str, TensorInfo],
     catalogue: ExpertCatalogue,
     files: ShardFiles,
-    cache: ExpertCache,
+    runtime: ExpertRuntime,
     *,
     dtype: torch.dtype,
     device: torch.device,
 ) -> Qwen3VLMoeForConditionalGeneration:
-    """The full model with every non-expert weight loaded and routed experts served by `cache`."""
+    """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
     with parameters_on_meta():
         model = Qwen3VLMoeForConditionalGeneration(config)
     layers = model.model.language_model.layers
     for layer in catalogue.moe_layers:
         experts = layers[layer].mlp.experts
-        layers[layer].mlp.experts = OffloadedExperts(layer, cache, experts.act_fn)
+        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, experts.act_fn)
 
     wanted = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}

@@ -1,0 +1,425 @@
+"""The expert pipeline: a slot pool, a priority queue of fetches on an I/O thread, and entry states.
+
+Compute (the engine's thread) and I/O (one worker thread) share one lock:
+- a layer's router output makes its experts Required; missing ones are queued as demand fetches, which
+  always go before speculative ones, and compute takes resident experts first, stalling only on the
+  one it needs next (mixtral-offloading's unordered compute, ProMoE's demand-first);
+- an expert whose layer has run for this token becomes Expired: the first to go when a slot is needed;
+- predicted experts are Speculative until their layer routes them; speculative bytes in flight are
+  capped and stale requests dropped (peers: speculation spends the binding bandwidth).
+
+Where a slot's bytes live is the tier's business (host RAM, the page cache, GPU memory).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from vismmoe_edge.experts.store import ExpertWeights
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+DEMAND = 0  # queue classes: lower goes first
+SPECULATIVE = 1
+REQUIRED_PRIORITY = float("inf")
+EXPIRED_BASE = -1e12  # Expired priorities are EXPIRED_BASE + use time: oldest first, below any prediction score
+
+
+class State(Enum):
+    LOADING = "loading"
+    REQUIRED = "required"  # routed for the layer being computed and not computed yet: never evicted
+    SPECULATIVE = "speculative"  # prefetched or queued on a prediction, not confirmed yet
+    EXPIRED = "expired"  # its layer has run for this token
+
+
+class Tier(Protocol):
+    """Moves one expert into slot `slot` of fast memory (blocking; runs on the I/O thread)."""
+
+    name: str
+    slot_bytes: int  # bytes one expert takes in fast memory
+
+    def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights: ...
+    def release(self, key: ExpertKey, slot: int) -> None: ...
+    def ready(self, key: ExpertKey, slot: int) -> None: ...  # before compute reads it (CUDA: wait on the event)
+    def done(self, key: ExpertKey, slot: int) -> None: ...  # compute has queued its last read of the slot
+    def read_bytes(self, key: ExpertKey) -> int: ...  # bytes one fetch moves from the slow tier
+
+
+@dataclass
+class Entry:
+    key: ExpertKey
+    state: State
+    priority: float  # higher = more valuable; orders eviction within a state
+    slot: int | None = None
+    weights: ExpertWeights | None = None
+    loaded: threading.Event = field(default_factory=threading.Event)
+    speculative: bool = False  # fetched on a prediction; cleared when a layer routes it
+    used: bool = False
+
+
+@dataclass
+class LayerStats:
+    """Counters of one MoE layer call (one step of one layer): what telemetry records."""
+
+    layer: int
+    hits: int = 0
+    misses: int = 0
+    stall_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_read: int = 0
+    prefetch_hits: int = 0
+
+
+@dataclass
+class PipelineStats:
+    hits: int = 0
+    misses: int = 0
+    prefetch_hits: int = 0  # hits on an expert that arrived on a prediction
+    bytes_read: int = 0
+    speculative_bytes: int = 0
+    wasted_speculative_bytes: int = 0  # prefetched, then evicted or dropped unused
+    evictions: int = 0
+    stall_s: float = 0.0
+    fetch_seconds: float = 0.0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+    pinned_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {**out, "hit_rate": self.hit_rate}
+
+
+class ExpertPipeline:
+    """Serves expert weights to compute from `capacity` slots of a tier, plus an always-resident pinned region."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        *,
+        capacity: int,
+        pinned: dict[ExpertKey, ExpertWeights] | None = None,
+        speculative_cap_bytes: int = 0,
+        io_workers: int = 1,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError("the pipeline needs at least one slot")
+        self.tier = tier
+        self.capacity = capacity
+        self.pinned = pinned or {}
+        self.speculative_cap_bytes = speculative_cap_bytes
+        self.stats = PipelineStats(pinned_bytes=sum(w.nbytes for w in self.pinned.values()))
+        self.layer_log: list[LayerStats] = []
+        self._lock = threading.Condition()
+        self._entries: dict[ExpertKey, Entry] = {}
+        self._free_slots = list(range(capacity - 1, -1, -1))
+        self._queue: list[tuple[int, float, int, ExpertKey]] = []
+        self._queued: dict[ExpertKey, int] = {}  # key -> queue class it is queued under
+        # evictable entries by state, lowest priority first; stale heap items are skipped on pop
+        self._evictable: dict[State, list[tuple[float, int, ExpertKey]]] = {State.EXPIRED: [], State.SPECULATIVE: []}
+        self._speculative_by_layer: dict[int, set[ExpertKey]] = {}
+        self._loaded_count = 0
+        self._loading = 0
+        self._seq = itertools.count()
+        self._clock = itertools.count()
+        self._speculative_in_flight = 0
+        self._error: BaseException | None = None
+        self._misses: set[int] = set()  # experts of the current layer that were demand misses
+        self._closed = False
+        self._update_resident()
+        self._workers = [
+            threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # ---- compute side -------------------------------------------------------------------------------
+    def begin_layer(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """Mark a layer's routed experts Required, queue the missing ones; return the order to compute them in."""
+        self.layer_log.append(LayerStats(layer))
+        ready: list[int] = []
+        waiting: list[int] = []
+        self._misses = set()
+        experts = list(experts)
+        with self._lock:
+            self._expire_unrouted_predictions(layer, set(experts))
+            for expert in experts:
+                key = (layer, expert)
+                if key in self.pinned:
+                    ready.append(expert)
+                    continue
+                entry = self._entries.get(key)
+                if entry is None:  # a demand miss: neither resident nor on its way
+                    self._entries[key] = Entry(key, State.REQUIRED, priority=REQUIRED_PRIORITY)
+                    self._enqueue(key, DEMAND, 0.0)
+                    self._misses.add(expert)
+                    waiting.append(expert)
+                    continue
+                entry.priority = REQUIRED_PRIORITY
+                if entry.state is not State.LOADING:
+                    entry.state = State.REQUIRED
+                if self._queued.get(key) == SPECULATIVE:  # a queued prediction came true: it is demand now
+                    self._speculative_in_flight -= self.tier.slot_bytes
+                    entry.speculative = False
+                    self._enqueue(key, DEMAND, 0.0)
+                    self._misses.add(expert)
+                (ready if entry.loaded.is_set() else waiting).append(expert)
+            self._lock.notify_all()
+        return ready + waiting
+
+    def acquire(self, layer: int, expert: int) -> ExpertWeights:
+        """The weights of a Required expert; blocks only if it has not arrived yet."""
+        key = (layer, expert)
+        stats = self.layer_log[-1]
+        if key in self.pinned:
+            stats.hits += 1
+            self.stats.hits += 1
+            return self.pinned[key]
+        with self._lock:
+            entry = self._entries[key]
+        if not entry.loaded.is_set():
+            start = time.perf_counter()
+            while not entry.loaded.wait(0.5):
+                self._raise_if_failed()
+            stall = time.perf_counter() - start
+            stats.stall_s += stall
+            self.stats.stall_s += stall
+        self._raise_if_failed()
+        if expert in self._misses:
+            stats.misses += 1
+            self.stats.misses += 1
+        else:
+            stats.hits += 1
+            self.stats.hits += 1
+            if entry.speculative and not entry.used:
+                stats.prefetch_hits += 1
+                self.stats.prefetch_hits += 1
+        entry.used = True
+        assert entry.slot is not None and entry.weights is not None
+        self.tier.ready(key, entry.slot)
+        return entry.weights
+
+    def finish(self, layer: int, expert: int) -> None:
+        """The expert's layer has used it for this token: it may now be evicted (least recently used first)."""
+        key = (layer, expert)
+        if key in self.pinned:
+            return
+        with self._lock:
+            entry = self._entries[key]
+            assert entry.slot is not None
+            self.tier.done(key, entry.slot)
+            self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + next(self._clock))  # LRU order among Expired
+            self._lock.notify_all()
+
+    def prefetch(self, requests: Iterable[tuple[ExpertKey, float]], *, current_layer: int) -> None:
+        """Replace the speculative queue with `requests` (key, score), highest score first.
+
+        Stale requests (for layers at or before `current_layer`) and superseded predictions are dropped;
+        resident entries named again get their priority raised, which protects them from eviction.
+        """
+        with self._lock:
+            for key, cls in list(self._queued.items()):
+                if cls == SPECULATIVE:
+                    self._drop_queued(key)
+            for key, score in sorted(requests, key=lambda r: -r[1]):
+                if key[0] <= current_layer or key in self.pinned:
+                    continue
+                entry = self._entries.get(key)
+                if entry is not None:
+                    if entry.state in (State.EXPIRED, State.SPECULATIVE) and entry.loaded.is_set():
+                        self._set_evictable(entry, entry.state, max(entry.priority, score))
+                    continue
+                if self._speculative_in_flight + self.tier.slot_bytes > self.speculative_cap_bytes:
+                    break
+                self._entries[key] = Entry(key, State.SPECULATIVE, priority=score, speculative=True)
+                self._speculative_by_layer.setdefault(key[0], set()).add(key)
+                self._speculative_in_flight += self.tier.slot_bytes
+                self._enqueue(key, SPECULATIVE, -score)
+            self._lock.notify_all()
+
+    def record_compute(self, seconds: float) -> None:
+        self.layer_log[-1].compute_s += seconds
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        key = (layer, expert)
+        if key in self.pinned:
+            return True
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.loaded.is_set()
+
+    def resident_keys(self) -> set[ExpertKey]:
+        with self._lock:
+            return {k for k, e in self._entries.items() if e.loaded.is_set()} | set(self.pinned)
+
+    def drain(self) -> None:
+        """Wait until no fetch is queued or loading (benchmarks and tests)."""
+        with self._lock:
+            while (self._queued or self._loading) and not self._error:
+                self._lock.wait(0.05)
+        self._raise_if_failed()
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = PipelineStats(pinned_bytes=self.stats.pinned_bytes)
+            self.layer_log = []
+            self._update_resident()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        for worker in self._workers:
+            worker.join(timeout=5)
+
+    # ---- I/O side -----------------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next_job()
+                if job is None:
+                    return
+                key, slot, cls = job
+            try:
+                start = time.perf_counter()
+                weights = self.tier.fetch(key, slot)
+                elapsed = time.perf_counter() - start
+            except BaseException as e:  # surfaced on the compute thread, which is waiting for this expert
+                with self._lock:
+                    self._error = e
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                entry = self._entries[key]
+                entry.slot, entry.weights = slot, weights
+                if entry.state is State.LOADING:
+                    if entry.priority == REQUIRED_PRIORITY:
+                        entry.state = State.REQUIRED
+                    else:
+                        self._set_evictable(entry, State.SPECULATIVE, entry.priority)
+                self._loaded_count += 1
+                self._loading -= 1
+                nbytes = self.tier.read_bytes(key)
+                if cls == SPECULATIVE:
+                    self._speculative_in_flight -= self.tier.slot_bytes
+                    self.stats.speculative_bytes += nbytes
+                self.stats.bytes_read += nbytes
+                if self.layer_log:
+                    self.layer_log[-1].bytes_read += nbytes
+                self.stats.fetch_seconds += elapsed
+                entry.loaded.set()
+                self._update_resident()
+                self._lock.notify_all()
+
+    def _next_job(self) -> tuple[ExpertKey, int, int] | None:
+        """Pop the most urgent request that can get a slot; wait while none can. Called with the lock held."""
+        while True:
+            if self._closed:
+                return None
+            while self._queue:
+                cls, _, _, key = self._queue[0]
+                if self._queued.get(key) != cls:
+                    heapq.heappop(self._queue)  # superseded (re-queued under another class, or dropped)
+                    continue
+                slot = self._take_slot(for_demand=cls == DEMAND, priority=self._entries[key].priority)
+                if slot is None:
+                    if cls == SPECULATIVE:
+                        self._drop_queued(key)  # nothing cheaper to evict: speculation yields
+                        continue
+                    break  # demand waits for compute to expire an entry
+                heapq.heappop(self._queue)
+                del self._queued[key]
+                self._entries[key].state = State.LOADING
+                self._loading += 1
+                return key, slot, cls
+            self._lock.wait()
+
+    def _take_slot(self, *, for_demand: bool, priority: float) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim = self._victim(for_demand=for_demand, priority=priority)
+        if victim is None:
+            return None
+        entry = self._entries.pop(victim.key)
+        self._loaded_count -= 1
+        self._forget_speculative(entry.key)
+        assert entry.slot is not None
+        if entry.speculative and not entry.used:
+            self.stats.wasted_speculative_bytes += self.tier.read_bytes(entry.key)
+        self.tier.release(entry.key, entry.slot)
+        self.stats.evictions += 1
+        self._update_resident()
+        return entry.slot
+
+    def _victim(self, *, for_demand: bool, priority: float) -> Entry | None:
+        """Expired first, then Speculative; lowest priority first. Required and loading entries are never taken.
+
+        A speculative fetch takes a slot only from an entry worth less than itself.
+        """
+        for state in (State.EXPIRED, State.SPECULATIVE):
+            heap = self._evictable[state]
+            while heap:
+                prio, _, key = heap[0]
+                entry = self._entries.get(key)
+                if entry is None or entry.state is not state or entry.priority != prio or not entry.loaded.is_set():
+                    heapq.heappop(heap)  # stale: the entry moved on since it was pushed
+                    continue
+                return entry if for_demand or prio < priority else None
+        return None
+
+    # ---- helpers (lock held) -----------------------------------------------------------------------
+    def _enqueue(self, key: ExpertKey, cls: int, order: float) -> None:
+        self._queued[key] = cls
+        heapq.heappush(self._queue, (cls, order, next(self._seq), key))
+
+    def _drop_queued(self, key: ExpertKey) -> None:
+        self._queued.pop(key, None)
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is State.SPECULATIVE and not entry.loaded.is_set():
+            del self._entries[key]
+            self._forget_speculative(key)
+            self._speculative_in_flight -= self.tier.slot_bytes
+
+    def _set_evictable(self, entry: Entry, state: State, priority: float) -> None:
+        entry.state, entry.priority = state, priority
+        heapq.heappush(self._evictable[state], (priority, next(self._seq), entry.key))
+
+    def _expire_unrouted_predictions(self, layer: int, routed: set[int]) -> None:
+        """Predictions for `layer` that it did not route are worthless for this token: evict them first."""
+        for key in list(self._speculative_by_layer.pop(layer, ())):
+            if key[1] in routed:
+                continue
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            if not entry.loaded.is_set():
+                if self._queued.get(key) == SPECULATIVE:
+                    self._drop_queued(key)  # still queued: stale, never read
+                continue
+            if entry.state is State.SPECULATIVE:
+                self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE - 1)
+
+    def _forget_speculative(self, key: ExpertKey) -> None:
+        keys = self._speculative_by_layer.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+
+    def _update_resident(self) -> None:
+        self.stats.resident_bytes = self.stats.pinned_bytes + self._loaded_count * self.tier.slot_bytes
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,81 @@
+"""Assemble the expert runtime from options: the pinned region, the tier, the pipeline, the predictor."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
+from vismmoe_edge.experts.pipeline import ExpertPipeline, Tier
+from vismmoe_edge.experts.slots import SlotPoolTier
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.units import format_bytes
+
+TIERS = ("auto", "host", "gpu", "unified")
+
+
+def build_runtime(
+    store: ExpertStore,
+    *,
+    budget_bytes: int,
+    pinned_layers: list[int],
+    tier: str = "auto",
+    speculative_cap_bytes: int | None = None,
+    io_workers: int | None = None,
+) -> ExpertRuntime:
+    """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots."""
+    per_expert = store.expert_nbytes()
+    num_experts = store.catalogue.num_experts
+    pinned_bytes = len(pinned_layers) * num_experts * per_expert
+    if pinned_bytes > budget_bytes:
+        raise VismmoeError(
+            f"the pinned prefix of {len(pinned_layers)} layers needs {format_bytes(pinned_bytes)}, more than the "
+            f"memory budget {format_bytes(budget_bytes)}; lower --pinned-layers or raise --memory-budget"
+        )
+    streamed = [layer for layer in store.catalogue.moe_layers if layer not in pinned_layers]
+    slots = min((budget_bytes - pinned_bytes) // per_expert, len(streamed) * num_experts)
+    if streamed and slots < 1:
+        raise VismmoeError(
+            f"the memory budget leaves {format_bytes(budget_bytes - pinned_bytes)} for streamed experts, less than "
+            f"one expert ({format_bytes(per_expert)}); raise --memory-budget or lower --pinned-layers"
+        )
+    pinned: dict[tuple[int, int], ExpertWeights] = {}
+    keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
+    for key in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False):
+        pinned[key] = store.load(*key)
+
+    tier_impl = make_tier(tier, store, max(slots, 1))
+    if speculative_cap_bytes is None:
+        # speculation may hold at most a quarter of the cache: it must never crowd out demand
+        speculative_cap_bytes = max(slots // 4, 0) * tier_impl.slot_bytes
+    if io_workers is None:
+        io_workers = 2 if store.device.type == "cuda" else 1
+    pipeline = ExpertPipeline(
+        tier_impl,
+        capacity=max(slots, 1),
+        pinned=pinned,
+        speculative_cap_bytes=speculative_cap_bytes,
+        io_workers=io_workers,
+    )
+    pipeline.stats.bytes_read = 0
+    return ExpertRuntime(pipeline=pipeline)
+
+
+def make_tier(name: str, store: ExpertStore, slots: int) -> Tier:
+    if name not in TIERS:
+        raise VismmoeError(f"--tier {name!r}: use one of {', '.join(TIERS)}")
+    on_gpu = store.device.type == "cuda"
+    if name == "gpu" and not on_gpu:
+        raise VismmoeError("--tier gpu needs --device cuda")
+    if name == "unified":
+        from vismmoe_edge.experts.unified import UnifiedTier
+
+        return UnifiedTier(store, slots)
+    return SlotPoolTier(store, slots, store.device, store.dtype)
+
+
+def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None) -> None:
+    runtime.predictor = predictor
+    observe = getattr(predictor, "observe", None)
+    if observe is not None:
+        runtime.route_hooks.append(observe)
