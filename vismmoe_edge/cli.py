@@ -26,6 +26,10 @@ BudgetOpt = Annotated[
     typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
 ]
 PinnedOpt = Annotated[int, typer.Option("--pinned-layers", min=0, help="first N MoE layers keep every expert resident")]
+TierOpt = Annotated[str, typer.Option("--tier", help="cache slots: auto, host (RAM), gpu (CUDA), unified (page cache)")]
+PredictorOpt = Annotated[
+    str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
+]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -46,6 +50,14 @@ def run(
     seed: Annotated[int | None, typer.Option(help="seed for sampling")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")] = "auto",
+    tier: TierOpt = "auto",
+    predictor: PredictorOpt = "none",
+    trace_out: Annotated[
+        Path | None, typer.Option("--trace-out", help="write per-step, per-layer routing and cache telemetry (JSONL)")
+    ] = None,
+    replay_trace: Annotated[
+        Path | None, typer.Option("--replay-trace", help="take routed experts from this trace instead of the router")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
 ) -> None:
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
@@ -65,11 +77,26 @@ def run(
                 images = [ensure_sample_image()]
         from vismmoe_edge.loader import load
 
-        engine = load(model, memory_budget=memory_budget, pinned_layers=pinned_layers, device=device, dtype=dtype)
+        engine = load(
+            model,
+            memory_budget=memory_budget,
+            pinned_layers=pinned_layers,
+            device=device,
+            dtype=dtype,
+            tier=tier,
+            predictor=predictor,
+        )
+        if replay_trace is not None:
+            engine.replay_routing(replay_trace)
+        writer = engine.write_trace(trace_out) if trace_out is not None else None
         inputs = engine.encode(prompt, images)
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
-        result = engine.generate_from_inputs(inputs, sampling, on_text=on_text)
+        try:
+            result = engine.generate_from_inputs(inputs, sampling, on_text=on_text)
+        finally:
+            if writer is not None:
+                writer.close()
     except VismmoeError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

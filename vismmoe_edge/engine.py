@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
@@ -20,8 +20,16 @@ from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.checkpoint import ExpertCatalogue
 from vismmoe_edge.experts.compute import ExpertRuntime
+from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
+from vismmoe_edge.telemetry import TraceRecorder
+from vismmoe_edge.trace import TraceWriter, load_trace
+
+
+class StepObserver(Protocol):
+    def begin_step(self, phase: str, num_tokens: int) -> None: ...
+    def end_step(self, phase: str, token_index: int) -> None: ...
 
 
 @dataclass
@@ -98,6 +106,7 @@ class Engine:
         self.is_demo = is_demo
         self.language_model = model.model.language_model
         self.text_config = self.language_model.config
+        self.observers: list[StepObserver] = []  # trace recording, trace replay
 
     # ---- inputs -------------------------------------------------------------------------------------
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
@@ -111,6 +120,8 @@ class Engine:
         timings = timings or Timings()
         lm = self.language_model
         input_ids = inputs.input_ids.to(self.device)
+        for observer in self.observers:
+            observer.begin_step("prefill", input_ids.shape[1])
         hidden = lm.embed_tokens(input_ids)
         visual_mask = None
         deepstack: list[torch.Tensor] = []
@@ -146,16 +157,20 @@ class Engine:
             if i < len(deepstack) and visual_mask is not None:
                 hidden = lm._deepstack_process(hidden, visual_mask, deepstack[i])
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
+        for observer in self.observers:
+            observer.end_step("prefill", 0)
         return logits, DecodeState(cache=cache, next_position=int(positions.max()) + 1)
 
     # ---- decode -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
         lm = self.language_model
+        past = state.cache.get_seq_length()
+        for observer in self.observers:
+            observer.begin_step("decode", 1)
         hidden = lm.embed_tokens(torch.tensor([[token_id]], device=self.device))
         positions = torch.full((3, 1, 1), state.next_position, device=self.device, dtype=torch.long)
         cos_sin = lm.rotary_emb(hidden, positions)
-        past = state.cache.get_seq_length()
         mask = create_causal_mask(
             config=self.text_config,
             inputs_embeds=hidden,
@@ -165,7 +180,36 @@ class Engine:
         for layer in lm.layers:
             hidden = layer(hidden, attention_mask=mask, cache=state.cache, position_embeddings=cos_sin)
         state.next_position += 1
-        return self.model.lm_head(lm.norm(hidden))[0, -1]
+        logits = self.model.lm_head(lm.norm(hidden))[0, -1]
+        for observer in self.observers:
+            observer.end_step("decode", past)
+        return logits
+
+    # ---- telemetry and replay ----------------------------------------------------------------------
+    def write_trace(self, path: str | Path) -> TraceWriter:
+        """Record every step's routed experts and pipeline counters to a JSONL file (close it when done)."""
+        writer = TraceWriter(path)
+        first = self.catalogue.moe_layers[0]
+        self.observers.append(
+            TraceRecorder(
+                self.experts,
+                writer,
+                model=str(self.model_dir),
+                num_experts=self.catalogue.num_experts,
+                moe_layers=self.catalogue.moe_layers,
+                top_k=self.language_model.layers[first].mlp.gate.top_k,
+            )
+        )
+        return writer
+
+    def replay_routing(self, path: str | Path, *, start_token: int = 0) -> TraceReplay:
+        """Take routed expert ids from a trace file instead of the router (benchmarks on synthetic weights)."""
+        replay = TraceReplay(
+            load_trace(path), self.catalogue.moe_layers, self.catalogue.num_experts, start_token=start_token
+        )
+        self.experts.replay = replay
+        self.observers.insert(0, replay)
+        return replay
 
     # ---- generation ---------------------------------------------------------------------------------
     def stream(

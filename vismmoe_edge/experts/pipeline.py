@@ -75,6 +75,8 @@ class LayerStats:
     compute_s: float = 0.0
     bytes_read: int = 0
     prefetch_hits: int = 0
+    wasted_bytes: int = 0  # prefetched bytes evicted unused while this layer ran
+    resident_bytes: int = 0  # at the end of the layer
 
 
 @dataclass
@@ -251,6 +253,7 @@ class ExpertPipeline:
 
     def record_compute(self, seconds: float) -> None:
         self.layer_log[-1].compute_s += seconds
+        self.layer_log[-1].resident_bytes = self.stats.resident_bytes
 
     def is_resident(self, layer: int, expert: int) -> bool:
         key = (layer, expert)
@@ -358,6 +361,8 @@ class ExpertPipeline:
         assert entry.slot is not None
         if entry.speculative and not entry.used:
             self.stats.wasted_speculative_bytes += self.tier.read_bytes(entry.key)
+            if self.layer_log:
+                self.layer_log[-1].wasted_bytes += self.tier.read_bytes(entry.key)
         self.tier.release(entry.key, entry.slot)
         self.stats.evictions += 1
         self._update_resident()
