@@ -126,3 +126,35 @@ def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> No
             inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         )
         assert result.token_ids == out[0, inputs.num_tokens :].tolist(), prompt
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run tools/gpu_checks.sh on the GPU server)"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("predictor", ["none", "next-layer-gate"])
+def test_cuda_slot_pool_matches_transformers(tmp_path: Path, images: list[Path], dtype, predictor: str) -> None:
+    from vismmoe_edge.demo import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=dtype, layout="hub", num_layers=8)
+    engine = vismmoe_edge.load(model_dir, memory_budget="25%", pinned_layers=1, device="cuda", predictor=predictor)
+    assert engine.experts.pipeline.tier.name == "gpu-slots"
+    ref = (
+        Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
+        .to("cuda")
+        .eval()
+    )
+    for prompt, n_images in PROMPTS.values():
+        inputs = engine.encode(prompt, images[:n_images])
+        kwargs = {k: v.to("cuda") for k, v in hf_kwargs(inputs).items()}
+        with torch.no_grad():
+            out = ref.generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            ref_logits = ref(**kwargs).logits[0, -1].float()
+        result = engine.generate_from_inputs(
+            inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        )
+        assert result.token_ids == out[0, inputs.num_tokens :].tolist(), prompt
+        if dtype == torch.float32:
+            logits, _ = engine.prefill(inputs)
+            assert torch.allclose(logits.float(), ref_logits, atol=1e-4), (logits.float() - ref_logits).abs().max()
+    assert engine.experts.pipeline.stats.misses > 0

@@ -49,7 +49,7 @@ def build_runtime(
         # speculation may hold at most a quarter of the cache: it must never crowd out demand
         speculative_cap_bytes = max(slots // 4, 0) * tier_impl.slot_bytes
     if io_workers is None:
-        io_workers = 2 if store.device.type == "cuda" else 1
+        io_workers = 4 if store.device.type == "cuda" else 1  # CUDA: parallel memcpy into staging
     pipeline = ExpertPipeline(
         tier_impl,
         capacity=max(slots, 1),
