@@ -87,6 +87,7 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
     from vismmoe_edge.processor import load_processor
     from vismmoe_edge.prompt import encode_prompt, load_image
 
+    torch.backends.cuda.enable_cudnn_sdp(False)  # the same attention kernels as our engine uses (see engine.py)
     start = time.perf_counter()
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
         model_dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: f"{gpu_gib}GiB", "cpu": "115GiB"}

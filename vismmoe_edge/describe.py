@@ -7,8 +7,8 @@ from typing import Any
 
 from vismmoe_edge.checkpoint import read_tensor_table
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.units import format_bytes
 from vismmoe_edge.models import qwen3_vl_moe
+from vismmoe_edge.units import format_bytes
 
 
 def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
+from vismmoe_edge.experts.store import ExpertWeights
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
 
@@ -62,7 +63,8 @@ class OffloadedExperts(nn.Module):
             top_k_weights = top_k_weights.to(hidden_states.device, hidden_states.dtype)
         for hook in rt.route_hooks:
             hook(self.layer, hidden_states, top_k_index, top_k_weights)
-        order = pipeline.begin_layer(self.layer, torch.unique(top_k_index).tolist())
+        index_cpu = top_k_index.cpu()  # one sync per layer: the routing decides what to fetch anyway
+        order = pipeline.begin_layer(self.layer, torch.unique(index_cpu).tolist())
         if rt.predictor is not None:
             start = time.perf_counter()
             pipeline.prefetch(rt.predictor.predict(self.layer, hidden_states, top_k_index), current_layer=self.layer)
@@ -71,14 +73,25 @@ class OffloadedExperts(nn.Module):
         start = time.perf_counter()
         stalled_before = pipeline.layer_log[-1].stall_s
         out = torch.zeros_like(hidden_states)
-        index_by_slot = top_k_index.t()  # [k, T]: torch.where then yields (slot, token) pairs as transformers does
-        for expert in order:
-            slot, token = torch.where(index_by_slot == expert)
-            weights = pipeline.acquire(self.layer, expert)
-            gate, up = F.linear(hidden_states[token], weights.gate_up).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, weights.down) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-            pipeline.finish(self.layer, expert)
+        if hidden_states.shape[0] == 1:  # decode: one token, each routed expert once; no index juggling
+            slot_of = {int(e): j for j, e in enumerate(index_cpu[0])}
+            for expert in order:
+                weights = pipeline.acquire(self.layer, expert)
+                out += self._expert(hidden_states, weights) * top_k_weights[:, slot_of[expert], None]
+                pipeline.finish(self.layer, expert)
+        else:
+            by_slot = index_cpu.t()  # [k, T]: torch.where then yields (slot, token) pairs as transformers does
+            for expert in order:
+                slot, token = torch.where(by_slot == expert)
+                slot, token = slot.to(out.device), token.to(out.device)
+                weights = pipeline.acquire(self.layer, expert)
+                y = self._expert(hidden_states[token], weights) * top_k_weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+                pipeline.finish(self.layer, expert)
         stalled = pipeline.layer_log[-1].stall_s - stalled_before
         pipeline.record_compute(time.perf_counter() - start - stalled)
         return out
+
+    def _expert(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, weights.down)
