@@ -130,19 +130,19 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
     }
 
 
-def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int) -> dict:
+def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int, replay: Path | None) -> dict:
     import vismmoe_edge
     from vismmoe_edge.sampling import SamplingConfig
 
     start = time.perf_counter()
     engine = vismmoe_edge.load(model_dir, memory_budget=budget, device="cuda", tier="gpu", predictor=predictor)
     load_s = time.perf_counter() - start
-    routes: list[tuple[int, list[int]]] = []  # decode-time routing, for the oracle
-    decoding = [False]
+    if replay is not None:
+        engine.replay_routing(replay)
+    routes: list[tuple[int, list[int]]] = []  # (layer, experts) in the order the engine used them, for the oracle
 
     def record(layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
-        if decoding[0]:
-            routes.append((layer, sorted(set(index[0].tolist()))))
+        routes.append((layer, sorted(set(index.flatten().tolist()))))
 
     engine.experts.route_hooks.append(record)
     inputs = engine.encode(PROMPT, [image])
@@ -154,12 +154,12 @@ def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_toke
     for _ in engine.stream(inputs, sampling):
         torch.cuda.synchronize()
         times.append(time.perf_counter())
-        decoding[0] = True
     prefill_s = times[0] - start
     steps = [b - a for a, b in zip(times, times[1:], strict=False)]
     s = pipeline.stats.as_dict()
     result = {
         "strategy": "all-resident" if budget == "100%" else ("lru" if predictor == "none" else predictor),
+        "routing": "trace-replay" if replay is not None else "sampled",
         "budget": budget,
         "slots": pipeline.capacity,
         "load_s": load_s,
@@ -203,18 +203,18 @@ def oracle(
     bandwidth: float,
     compute_s: float,
     tokens: int,
-    layers: list[int],
-    experts: int,
+    num_layers: int,
 ) -> dict:
-    """Belady on the decode accesses, warmed by a prefill that touched every expert layer by layer."""
+    """Belady's fewest decode misses for the recorded routing, with the cache warmed by the same prefill."""
     from vismmoe_edge.experts.oracle import belady
 
-    prefill = [layer * 1000 + e for layer in layers for e in range(experts)]
-    decode = [layer * 1000 + e for layer, ids in routes for e in ids]
+    prefill = [layer * 1000 + e for layer, ids in routes[:num_layers] for e in ids]
+    decode = [layer * 1000 + e for layer, ids in routes[num_layers:] for e in ids]
     misses = belady(prefill + decode, slots).misses - belady(prefill, slots).misses
     io_s = misses * expert_bytes / bandwidth / tokens
     return {
         "strategy": "oracle-bound",
+        "slots": slots,
         "misses_per_token": misses / tokens,
         "gb_per_token": misses * expert_bytes / tokens / 1e9,
         "decode_s_per_token": max(compute_s, io_s),
@@ -231,6 +231,7 @@ def main() -> None:
     ap.add_argument("--accelerate-tokens", type=int, default=3)
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
     ap.add_argument("--worker", choices=["accelerate"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
@@ -256,15 +257,30 @@ def main() -> None:
         f"expert budget {expert_budget / 2**30:.2f} GiB",
         flush=True,
     )
-    for budget, predictor in [
-        ("100%", "none"),
-        (str(expert_budget), "none"),
-        (str(expert_budget), "previous-token"),
-        (str(expert_budget), "next-layer-gate"),
-    ]:
-        r = run_ours(model_dir, image, budget, predictor, args.new_tokens)
-        results.append(r)
-        print({k: v for k, v in r.items() if k != "routes"}, flush=True)
+    routings = [None] + ([args.replay_trace] if args.replay_trace else [])
+    for replay in routings:
+        for budget, predictor in [
+            ("100%", "none"),
+            (str(expert_budget), "none"),
+            (str(expert_budget), "previous-token"),
+            (str(expert_budget), "next-layer-gate"),
+        ]:
+            r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay)
+            results.append(r)
+            print({k: v for k, v in r.items() if k != "routes"}, flush=True)
+        mode = "trace-replay" if replay is not None else "sampled"
+        ceiling = next(r for r in results if r["strategy"] == "all-resident" and r.get("routing") == mode)
+        lru = next(r for r in results if r["strategy"] == "lru" and r.get("routing") == mode)
+        bound = oracle(
+            lru["routes"],
+            lru["slots"],
+            lru["expert_bytes"],
+            bandwidth,
+            ceiling["decode_s_per_token"],
+            args.new_tokens,
+            args.layers,
+        )
+        results.append({**bound, "routing": mode})
     if not args.skip_accelerate:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.run(
@@ -291,19 +307,6 @@ def main() -> None:
         else:
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
-    ceiling = next(r for r in results if r["strategy"] == "all-resident")
-    lru = next(r for r in results if r["strategy"] == "lru")
-    bound = oracle(
-        lru["routes"],
-        lru["slots"],
-        lru["expert_bytes"],
-        bandwidth,
-        ceiling["decode_s_per_token"],
-        args.new_tokens,
-        list(range(args.layers)),
-        128,
-    )
-    results.append(bound)
     for r in results:
         r.pop("routes", None)
     summary = {

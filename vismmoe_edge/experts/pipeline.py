@@ -134,6 +134,7 @@ class ExpertPipeline:
         self._speculative_by_layer: dict[int, set[ExpertKey]] = {}
         self._loaded_count = 0
         self._loading = 0
+        self._slot_waiters = False  # an I/O thread holds a demand request but no slot is free
         self._seq = itertools.count()
         self._clock = itertools.count()
         self._speculative_in_flight = 0
@@ -178,7 +179,8 @@ class ExpertPipeline:
                     self._enqueue(key, DEMAND, 0.0)
                     self._misses.add(expert)
                 (ready if entry.loaded.is_set() else waiting).append(expert)
-            self._lock.notify_all()
+            if waiting:
+                self._lock.notify_all()
         return ready + waiting
 
     def acquire(self, layer: int, expert: int) -> ExpertWeights:
@@ -189,8 +191,7 @@ class ExpertPipeline:
             stats.hits += 1
             self.stats.hits += 1
             return self.pinned[key]
-        with self._lock:
-            entry = self._entries[key]
+        entry = self._entries[key]  # a dict read is atomic; the entry cannot leave while Required
         if not entry.loaded.is_set():
             start = time.perf_counter()
             while not entry.loaded.wait(0.5):
@@ -223,7 +224,8 @@ class ExpertPipeline:
             assert entry.slot is not None
             self.tier.done(key, entry.slot)
             self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + next(self._clock))  # LRU order among Expired
-            self._lock.notify_all()
+            if self._slot_waiters:
+                self._lock.notify_all()  # a demand fetch is waiting for a slot to free up
 
     def prefetch(self, requests: Iterable[tuple[ExpertKey, float]], *, current_layer: int) -> None:
         """Replace the speculative queue with `requests` (key, score), highest score first.
@@ -231,6 +233,7 @@ class ExpertPipeline:
         Stale requests (for layers at or before `current_layer`) and superseded predictions are dropped;
         resident entries named again get their priority raised, which protects them from eviction.
         """
+        queued = False
         with self._lock:
             for key, cls in list(self._queued.items()):
                 if cls == SPECULATIVE:
@@ -249,7 +252,9 @@ class ExpertPipeline:
                 self._speculative_by_layer.setdefault(key[0], set()).add(key)
                 self._speculative_in_flight += self.tier.slot_bytes
                 self._enqueue(key, SPECULATIVE, -score)
-            self._lock.notify_all()
+                queued = True
+            if queued:
+                self._lock.notify_all()
 
     def record_compute(self, seconds: float) -> None:
         self.layer_log[-1].compute_s += seconds
@@ -343,10 +348,12 @@ class ExpertPipeline:
                         continue
                     break  # demand waits for compute to expire an entry
                 heapq.heappop(self._queue)
+                self._slot_waiters = False
                 del self._queued[key]
                 self._entries[key].state = State.LOADING
                 self._loading += 1
                 return key, slot, cls
+            self._slot_waiters = bool(self._queue)
             self._lock.wait()
 
     def _take_slot(self, *, for_demand: bool, priority: float) -> int | None:
