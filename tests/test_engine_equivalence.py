@@ -93,7 +93,7 @@ def test_engine_matches_transformers(checkpoints, references, layout: str, budge
 
 
 @pytest.mark.parametrize("predictor", ["next-layer-gate", "previous-token"])
-@pytest.mark.parametrize("tier", ["host"])
+@pytest.mark.parametrize("tier", ["host", "unified", "mmap"])
 def test_every_tier_and_predictor_matches_transformers(checkpoints, references, tier: str, predictor: str) -> None:
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", pinned_layers=1, tier=tier, predictor=predictor)
     for name, ref in references.items():
@@ -104,7 +104,8 @@ def test_every_tier_and_predictor_matches_transformers(checkpoints, references, 
         ours = teacher_forced_logits(engine, ref.inputs, ref.tokens)
         for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
             assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
-    assert engine.experts.pipeline.stats.speculative_bytes > 0  # the predictor really drove prefetches
+    if tier != "mmap":
+        assert engine.experts.pipeline.stats.speculative_bytes > 0  # the predictor really drove prefetches
 
 
 def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -58,6 +59,27 @@ def make_predictor(name: str, model: object, moe_layers: list[int]) -> object | 
     return PreviousTokenPredictor(moe_layers)
 
 
+def drop_unneeded_pages(files: ShardFiles, table: dict, catalogue: ExpertCatalogue, pinned: set[int]) -> None:
+    """Give back the page cache that loading filled: the non-expert weights now live in our own memory, and
+    fault read-around pulled in streamed experts nobody asked for. Unified memory counts page cache against
+    the same DRAM, and a cgroup counts it against the process."""
+    files.close()  # unmapped pages are the only ones POSIX_FADV_DONTNEED can drop
+    ranges = [(i.shard, i.offset, i.nbytes) for n, i in table.items() if n not in catalogue.tensor_names]
+    for loc in catalogue.experts.values():
+        if loc.layer not in pinned:
+            ranges += [(p.shard, p.offset, p.nbytes) for p in loc.parts]
+    fds: dict[Path, int] = {}
+    try:
+        for shard, offset, nbytes in ranges:
+            fd = fds.get(shard)
+            if fd is None:
+                fd = fds[shard] = os.open(shard, os.O_RDONLY)
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def load(
     model_dir: str | Path | None = None,
     *,
@@ -74,8 +96,9 @@ def load(
     memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
         of all routed-expert bytes at the compute dtype.
     pinned_layers: the first N MoE layers keep all their experts resident.
-    tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, for
-        Jetson and CPU hosts), "auto" (gpu on CUDA, else host).
+    tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, managed:
+        for Jetson and CPU hosts), "mmap" (the page cache, unmanaged: a baseline), "auto" (gpu on CUDA, else
+        host).
     predictor: what drives prefetch: "none" (demand only: LRU), "next-layer-gate", "previous-token".
     """
     from vismmoe_edge.processor import load_processor
@@ -102,6 +125,8 @@ def load(
     budget = parse_budget(memory_budget, total_expert_bytes)
     runtime = build_runtime(store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier)
     model = qwen3_vl_moe.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
+    if runtime.pipeline.tier.name in ("unified", "mmap"):
+        drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
     attach_predictor(runtime, make_predictor(predictor, model, catalogue.moe_layers))
     return Engine(
         model,

@@ -38,6 +38,7 @@ class ExpertRuntime:
     replay: Router | None = None  # trace replay: routed ids come from a trace, not from the model's router
     route_hooks: list[RouteHook] = field(default_factory=list)
     predict_seconds: float = 0.0
+    lock_report: object | None = None  # unified memory: what of the pinned prefix mlock could hold
 
 
 class OffloadedExperts(nn.Module):

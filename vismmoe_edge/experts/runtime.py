@@ -8,10 +8,10 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
 from vismmoe_edge.experts.pipeline import ExpertPipeline, Tier
 from vismmoe_edge.experts.slots import SlotPoolTier
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
 
-TIERS = ("auto", "host", "gpu", "unified")
+TIERS = ("auto", "host", "gpu", "unified", "mmap")
 
 
 def build_runtime(
@@ -34,17 +34,25 @@ def build_runtime(
         )
     streamed = [layer for layer in store.catalogue.moe_layers if layer not in pinned_layers]
     slots = min((budget_bytes - pinned_bytes) // per_expert, len(streamed) * num_experts)
+    if tier == "mmap":  # the kernel decides what stays: no slots to bound
+        slots = max(len(streamed) * num_experts, 1)
     if streamed and slots < 1:
         raise VismmoeError(
             f"the memory budget leaves {format_bytes(budget_bytes - pinned_bytes)} for streamed experts, less than "
             f"one expert ({format_bytes(per_expert)}); raise --memory-budget or lower --pinned-layers"
         )
-    pinned: dict[tuple[int, int], ExpertWeights] = {}
-    keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
-    for key in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False):
-        pinned[key] = store.load(*key)
-
     tier_impl = make_tier(tier, store, max(slots, 1))
+    keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
+    lock_report = None
+    pin = getattr(tier_impl, "pin", None)
+    if pin is not None:  # unified memory: the prefix stays in the page cache, mlocked where the limit allows
+        pinned, lock_report = pin(keys)
+    else:
+        pinned = {
+            k: store.load(*k)
+            for k in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
+        }
+
     if speculative_cap_bytes is None:
         # speculation may hold at most a quarter of the cache: it must never crowd out demand
         speculative_cap_bytes = max(slots // 4, 0) * tier_impl.slot_bytes
@@ -58,7 +66,7 @@ def build_runtime(
         io_workers=io_workers,
     )
     pipeline.stats.bytes_read = 0
-    return ExpertRuntime(pipeline=pipeline)
+    return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
 
 
 def make_tier(name: str, store: ExpertStore, slots: int) -> Tier:
@@ -67,10 +75,12 @@ def make_tier(name: str, store: ExpertStore, slots: int) -> Tier:
     on_gpu = store.device.type == "cuda"
     if name == "gpu" and not on_gpu:
         raise VismmoeError("--tier gpu needs --device cuda")
-    if name == "unified":
-        from vismmoe_edge.experts.unified import UnifiedTier
+    if name in ("unified", "mmap"):
+        if on_gpu:
+            raise VismmoeError(f"--tier {name} serves experts to the CPU; use --device cpu (or --tier gpu)")
+        from vismmoe_edge.experts.unified import MmapTier, UnifiedTier
 
-        return UnifiedTier(store, slots)
+        return UnifiedTier(store, slots) if name == "unified" else MmapTier(store, slots)
     return SlotPoolTier(store, slots, store.device, store.dtype)
 
 

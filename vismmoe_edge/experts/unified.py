@@ -1,0 +1,143 @@
+"""Unified-memory tiers (Jetson, CPU hosts): compute reads experts straight from the mmapped shards.
+
+The page cache is the expert cache. `UnifiedTier` manages it explicitly: the shards are mapped MADV_RANDOM
+(a fault reads one page, not 8-16 MiB of read-around), a fetch reads exactly the expert's byte ranges with a
+pread pool (pagecache.py), an eviction drops those pages again (MADV_DONTNEED + POSIX_FADV_DONTNEED), and
+before compute reads an expert its residency is checked with mincore and any page the kernel reclaimed
+meanwhile is read back. `MmapTier` is the baseline with no management at all: plain faults through the
+mapping with the kernel's default readahead, what llama.cpp does by default.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from vismmoe_edge import pagecache
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+
+ExpertKey = tuple[int, int]
+
+
+class _MappedShards:
+    """One MAP_SHARED read-only mapping per shard that holds experts, and zero-copy views of expert parts."""
+
+    def __init__(self, store: ExpertStore, *, random_access: bool) -> None:
+        if any(p.dtype != _dtype_name(store.dtype) for loc in store.catalogue.experts.values() for p in loc.parts):
+            stored = next(iter(store.catalogue.experts.values())).parts[0].dtype
+            raise VismmoeError(
+                f"the unified tier computes straight from the page cache, so the compute dtype must be the "
+                f"checkpoint's ({stored}); pass --dtype auto or use --tier host"
+            )
+        self.store = store
+        shards = sorted({p.shard for loc in store.catalogue.experts.values() for p in loc.parts})
+        self.files: dict[Path, pagecache.MappedFile] = {s: pagecache.MappedFile(s) for s in shards}
+        for mf in self.files.values():
+            if random_access:
+                mf.set_random()
+            else:
+                mf.set_normal()
+
+    def ranges(self, key: ExpertKey) -> dict[Path, list[tuple[int, int]]]:
+        out: dict[Path, list[tuple[int, int]]] = {}
+        for part in self.store.catalogue.expert(*key).parts:
+            out.setdefault(part.shard, []).append((part.offset, part.nbytes))
+        return out
+
+    def view(self, part: ExpertPart) -> torch.Tensor:
+        mf = self.files[part.shard]
+        itemsize = TORCH_DTYPES[part.dtype].itemsize
+        with warnings.catch_warnings():  # the mapping is read-only on purpose; we never write through it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(
+                mf.buffer, dtype=TORCH_DTYPES[part.dtype], count=part.nbytes // itemsize, offset=part.offset
+            )
+        t = flat.view(part.shape)
+        return t.t() if part.transposed else t
+
+    def weights(self, key: ExpertKey) -> ExpertWeights:
+        parts = {p.kind: self.view(p) for p in self.store.catalogue.expert(*key).parts}
+        # per-expert checkpoints keep gate and up apart: stacking them costs one copy of those two
+        gate_up = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]])
+        return ExpertWeights(gate_up=gate_up, down=parts["down"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+
+
+class UnifiedTier:
+    """Explicitly managed page cache: exact-range reads in, exact-range drops out, residency checked."""
+
+    name = "unified"
+
+    def __init__(self, store: ExpertStore, slots: int, *, threads: int = 8) -> None:
+        self.shards = _MappedShards(store, random_access=True)
+        self.threads = threads
+        self.slot_bytes = store.catalogue.expert_bytes
+        self.refault_bytes = 0  # pages the kernel reclaimed behind our back and we had to read again
+
+    def read_bytes(self, key: ExpertKey) -> int:
+        return self.slot_bytes
+
+    def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights:
+        for shard, ranges in self.shards.ranges(key).items():
+            pagecache.prefetch_pread(self.shards.files[shard], ranges, threads=self.threads)
+        return self.shards.weights(key)
+
+    def ready(self, key: ExpertKey, slot: int) -> None:
+        for shard, ranges in self.shards.ranges(key).items():
+            self.refault_bytes += pagecache.ensure_resident(self.shards.files[shard], ranges, threads=self.threads)
+
+    def done(self, key: ExpertKey, slot: int) -> None:
+        """Nothing to do: the CPU has finished reading when compute returns."""
+
+    def release(self, key: ExpertKey, slot: int) -> None:
+        for shard, ranges in self.shards.ranges(key).items():
+            pagecache.release(self.shards.files[shard], ranges, "auto")
+
+    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], pagecache.LockReport]:
+        """Read the pinned prefix in and mlock it (within RLIMIT_MEMLOCK); views stay zero-copy."""
+        locked = failed = 0
+        reasons: set[str] = set()
+        for key in keys:
+            for shard, ranges in self.shards.ranges(key).items():
+                mf = self.shards.files[shard]
+                pagecache.prefetch_pread(mf, ranges, threads=self.threads)
+                report = pagecache.lock(mf, ranges)
+                locked += report.locked_bytes
+                failed += report.failed_bytes
+                if report.reason:
+                    reasons.add(report.reason)
+        return {k: self.shards.weights(k) for k in keys}, pagecache.LockReport(
+            locked, failed, "; ".join(reasons) or None
+        )
+
+
+class MmapTier:
+    """No management: views over the mapping, the kernel pages them in on faults (default readahead)."""
+
+    name = "mmap"
+
+    def __init__(self, store: ExpertStore, slots: int) -> None:
+        self.shards = _MappedShards(store, random_access=False)
+        self.slot_bytes = store.catalogue.expert_bytes
+
+    def read_bytes(self, key: ExpertKey) -> int:
+        return 0  # unknown: the kernel reads on faults; benchmarks count bytes from /proc/<pid>/io
+
+    def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights:
+        return self.shards.weights(key)
+
+    def ready(self, key: ExpertKey, slot: int) -> None:
+        pass
+
+    def done(self, key: ExpertKey, slot: int) -> None:
+        pass
+
+    def release(self, key: ExpertKey, slot: int) -> None:
+        pass
