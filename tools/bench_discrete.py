@@ -130,7 +130,56 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
     }
 
 
-def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int, replay: Path | None) -> dict:
+def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
+    """transformers' own model with every weight on the GPU: the ceiling any offloading runtime aims at."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from vismmoe_edge.processor import load_processor
+    from vismmoe_edge.prompt import encode_prompt, load_image
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    inputs = encode_prompt(load_processor(model_dir), PROMPT, [load_image(image)])
+    kwargs = {
+        "input_ids": inputs.input_ids,
+        "attention_mask": torch.ones_like(inputs.input_ids),
+        "pixel_values": inputs.pixel_values,
+        "image_grid_thw": inputs.image_grid_thw,
+        "mm_token_type_ids": inputs.mm_token_type_ids,
+    }
+    kwargs = {k: v.to("cuda") for k, v in kwargs.items()}
+    rates, prefills = [], []
+    for seed in range(3):
+        clock = TokenClock()
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                **kwargs,
+                max_new_tokens=new_tokens + 1,
+                min_new_tokens=new_tokens + 1,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                streamer=clock,
+            )
+        times = [start, *clock.times[1:]]
+        prefills.append(times[1] - times[0])
+        rates.append(1 / statistics.median([b - a for a, b in zip(times[1:], times[2:], strict=False)]))
+    return {
+        "strategy": "hf-all-resident",
+        "routing": "sampled",
+        "prefill_s": statistics.median(prefills),
+        "decode_tokens_per_s": statistics.median(rates),
+        "decode_s_per_token": 1 / statistics.median(rates),
+        "decode_tokens_per_s_all": rates,
+    }
+
+
+def run_ours(
+    model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int, replay: Path | None, seed: int
+) -> dict:
     import vismmoe_edge
     from vismmoe_edge.sampling import SamplingConfig
 
@@ -138,7 +187,7 @@ def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_toke
     engine = vismmoe_edge.load(model_dir, memory_budget=budget, device="cuda", tier="gpu", predictor=predictor)
     load_s = time.perf_counter() - start
     if replay is not None:
-        engine.replay_routing(replay)
+        engine.replay_routing(replay, start_token=2000 * seed)  # each repeat replays another stretch
     routes: list[tuple[int, list[int]]] = []  # (layer, experts) in the order the engine used them, for the oracle
 
     def record(layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
@@ -150,7 +199,7 @@ def run_ours(model_dir: Path, image: Path, budget: str, predictor: str, new_toke
     pipeline.reset_stats()
     times: list[float] = []
     start = time.perf_counter()
-    sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=0)
+    sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=seed)
     for _ in engine.stream(inputs, sampling):
         torch.cuda.synchronize()
         times.append(time.perf_counter())
@@ -222,6 +271,46 @@ def oracle(
     }
 
 
+def median_row(trials: list[dict]) -> dict:
+    out = dict(trials[0])
+    for key in (
+        "prefill_s",
+        "decode_s_per_token",
+        "hit_rate",
+        "gb_copied_per_decode_token",
+        "stall_s",
+        "wasted_speculative_gb",
+    ):
+        out[key] = statistics.median(t[key] for t in trials)
+    out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
+    out["decode_tokens_per_s_all"] = [round(t["decode_tokens_per_s"], 3) for t in trials]
+    return out
+
+
+def subprocess_worker(args: argparse.Namespace, worker: str) -> dict:
+    """Baselines run in their own process, so that their copy of the model leaves with them."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        worker,
+        "--out-dir",
+        str(args.out_dir),
+        "--layers",
+        str(args.layers),
+        "--gpu-gib",
+        str(args.gpu_gib),
+        "--accelerate-tokens",
+        str(args.accelerate_tokens),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        return {"strategy": worker, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", type=Path, default=Path("/tmp/vismmoe-bench"))
@@ -232,13 +321,17 @@ def main() -> None:
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
-    ap.add_argument("--worker", choices=["accelerate"], help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
     image = args.out_dir / "image-1056.png"
 
     if args.worker == "accelerate":  # runs in its own process so that its host copy of the model goes away
         print(json.dumps(run_accelerate(model_dir, image, args.gpu_gib, args.accelerate_tokens)))
+        return
+    if args.worker == "hf-resident":
+        print(json.dumps(run_hf_resident(model_dir, image, args.new_tokens)))
         return
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,19 +351,26 @@ def main() -> None:
         flush=True,
     )
     routings = [None] + ([args.replay_trace] if args.replay_trace else [])
+    configs = [
+        ("100%", "none"),
+        (str(expert_budget), "none"),
+        (str(expert_budget), "previous-token"),
+        (str(expert_budget), "next-layer-gate"),
+    ]
     for replay in routings:
-        for budget, predictor in [
-            ("100%", "none"),
-            (str(expert_budget), "none"),
-            (str(expert_budget), "previous-token"),
-            (str(expert_budget), "next-layer-gate"),
-        ]:
-            r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay)
-            results.append(r)
-            print({k: v for k, v in r.items() if k != "routes"}, flush=True)
         mode = "trace-replay" if replay is not None else "sampled"
-        ceiling = next(r for r in results if r["strategy"] == "all-resident" and r.get("routing") == mode)
-        lru = next(r for r in results if r["strategy"] == "lru" and r.get("routing") == mode)
+        # next-layer-gate guesses from the model's own router, which replayed routing ignores: skip it there
+        cfgs = configs if replay is None else [c for c in configs if c[1] != "next-layer-gate"]
+        trials: dict[tuple[str, str], list[dict]] = {c: [] for c in cfgs}
+        for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
+            for budget, predictor in cfgs:
+                r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay, seed)
+                trials[(budget, predictor)].append(r)
+                print({k: v for k, v in r.items() if k != "routes"}, flush=True)
+        rows = [median_row(trials[c]) for c in cfgs]
+        results += rows
+        ceiling = next(r for r in rows if r["strategy"] == "all-resident")
+        lru = next(r for r in rows if r["strategy"] == "lru")
         bound = oracle(
             lru["routes"],
             lru["slots"],
@@ -281,32 +381,11 @@ def main() -> None:
             args.layers,
         )
         results.append({**bound, "routing": mode})
+    results.append(subprocess_worker(args, "hf-resident"))
+    print(results[-1], flush=True)
     if not args.skip_accelerate:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                "accelerate",
-                "--out-dir",
-                str(args.out_dir),
-                "--layers",
-                str(args.layers),
-                "--gpu-gib",
-                str(args.gpu_gib),
-                "--accelerate-tokens",
-                str(args.accelerate_tokens),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], flush=True)
-        else:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(results[-1], flush=True)
+        results.append(subprocess_worker(args, "accelerate"))
+        print(results[-1], flush=True)
     for r in results:
         r.pop("routes", None)
     summary = {

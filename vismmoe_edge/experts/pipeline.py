@@ -214,6 +214,11 @@ class ExpertPipeline:
         self.tier.ready(key, entry.slot)
         return entry.weights
 
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        """The slot an acquired, streamed expert occupies (None for the pinned region)."""
+        entry = self._entries.get((layer, expert))
+        return None if entry is None else entry.slot
+
     def finish(self, layer: int, expert: int) -> None:
         """The expert's layer has used it for this token: it may now be evicted (least recently used first)."""
         key = (layer, expert)
@@ -267,6 +272,11 @@ class ExpertPipeline:
         with self._lock:
             entry = self._entries.get(key)
             return entry is not None and entry.loaded.is_set()
+
+    def is_streamed_and_loaded(self, layer: int, expert: int) -> bool:
+        """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""
+        entry = self._entries.get((layer, expert))
+        return entry is not None and entry.loaded.is_set()
 
     def resident_keys(self) -> set[ExpertKey]:
         with self._lock:

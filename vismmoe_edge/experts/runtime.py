@@ -12,6 +12,7 @@ from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
 
 TIERS = ("auto", "host", "gpu", "unified", "mmap")
+DEFAULT_SPECULATIVE_EXPERTS = 16
 
 
 def build_runtime(
@@ -54,8 +55,9 @@ def build_runtime(
         }
 
     if speculative_cap_bytes is None:
-        # speculation may hold at most a quarter of the cache: it must never crowd out demand
-        speculative_cap_bytes = max(slots // 4, 0) * tier_impl.slot_bytes
+        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): by default two
+        # layers' worth of top-8 experts, and never more than a quarter of the cache.
+        speculative_cap_bytes = min(DEFAULT_SPECULATIVE_EXPERTS, max(slots // 4, 0)) * tier_impl.slot_bytes
     if io_workers is None:
         io_workers = 4 if store.device.type == "cuda" else 1  # CUDA: parallel memcpy into staging
     pipeline = ExpertPipeline(

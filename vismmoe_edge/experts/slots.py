@@ -33,7 +33,9 @@ class SlotPoolTier:
         self.slot_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * dtype.itemsize
         self._read_bytes = loc.nbytes
         self._local = threading.local()
+        self.pool: SlotPoolTier | None = None  # set on CUDA: decode gathers a token's experts from the pool
         if device.type == "cuda":
+            self.pool = self
             self.copy_stream = torch.cuda.Stream(device)
             self.events = [torch.cuda.Event() for _ in range(slots)]  # slot filled
             self.freed = [torch.cuda.Event() for _ in range(slots)]  # compute done reading the slot
