@@ -202,3 +202,21 @@ def test_fetch_error_reaches_compute() -> None:
     order = pipeline.begin_layer(0, [1])
     with pytest.raises(OSError, match="Input/output error"):
         pipeline.acquire(0, order[0])
+
+
+def test_popularity_policy_keeps_the_expert_most_tokens_used() -> None:
+    def steps(pipeline: ExpertPipeline) -> None:
+        for layer, experts, shares in [(0, [1, 2], [0.9, 0.1]), (1, [5, 6], [0.5, 0.5]), (2, [7], [1.0])]:
+            order = pipeline.begin_layer(layer, experts, shares=shares)
+            for e in order:
+                pipeline.acquire(layer, e)
+                pipeline.finish(layer, e)
+
+    popular = ExpertPipeline(RecordingTier(), capacity=3, policy="popularity")
+    steps(popular)  # 90% of the prompt's tokens chose (0, 1): it outlives experts fewer tokens used
+    assert popular.resident_keys() == {(0, 1), (1, 6), (2, 7)}
+    recent = ExpertPipeline(RecordingTier(), capacity=3, policy="lru")
+    steps(recent)  # LRU drops the oldest, however popular
+    assert recent.resident_keys() == {(1, 5), (1, 6), (2, 7)}
+    popular.close()
+    recent.close()

@@ -27,6 +27,9 @@ BudgetOpt = Annotated[
 ]
 PinnedOpt = Annotated[int, typer.Option("--pinned-layers", min=0, help="first N MoE layers keep every expert resident")]
 TierOpt = Annotated[str, typer.Option("--tier", help="cache slots: auto, host (RAM), gpu (CUDA), unified (page cache)")]
+PolicyOpt = Annotated[
+    str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
+]
 PredictorOpt = Annotated[
     str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
 ]
@@ -52,6 +55,7 @@ def run(
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")] = "auto",
     tier: TierOpt = "auto",
     predictor: PredictorOpt = "none",
+    policy: PolicyOpt = "lru",
     trace_out: Annotated[
         Path | None, typer.Option("--trace-out", help="write per-step, per-layer routing and cache telemetry (JSONL)")
     ] = None,
@@ -85,6 +89,7 @@ def run(
             dtype=dtype,
             tier=tier,
             predictor=predictor,
+            policy=policy,
         )
         if replay_trace is not None:
             engine.replay_routing(replay_trace)

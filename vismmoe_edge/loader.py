@@ -42,6 +42,7 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
 
 
 PREDICTORS = ("none", "next-layer-gate", "previous-token")
+POLICIES = ("lru", "popularity")
 
 
 def make_predictor(name: str, model: object, moe_layers: list[int]) -> object | None:
@@ -89,6 +90,7 @@ def load(
     dtype: str = "auto",
     tier: str = "auto",
     predictor: str = "none",
+    policy: str = "lru",
 ) -> Engine:
     """Load a Qwen3-VL-MoE checkpoint with its routed experts left on disk.
 
@@ -99,7 +101,9 @@ def load(
     tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, managed:
         for Jetson and CPU hosts), "mmap" (the page cache, unmanaged: a baseline), "auto" (gpu on CUDA, else
         host).
-    predictor: what drives prefetch: "none" (demand only: LRU), "next-layer-gate", "previous-token".
+    predictor: what drives prefetch: "none" (demand only), "next-layer-gate", "previous-token".
+    policy: which finished expert leaves first: "lru" (least recently used) or "popularity" (the one the
+        fewest tokens routed to, decayed; then least recently used).
     """
     from vismmoe_edge.processor import load_processor
 
@@ -116,6 +120,8 @@ def load(
     torch_dtype = resolve_dtype(dtype, checkpoint_dtype(catalogue), torch_device)
     processor = load_processor(model_dir)
 
+    if policy not in POLICIES:
+        raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     moe_layers = catalogue.moe_layers
     if not 0 <= pinned_layers <= len(moe_layers):
         raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")
@@ -123,7 +129,9 @@ def load(
     store = ExpertStore(catalogue, files, torch_dtype, torch_device)
     total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
     budget = parse_budget(memory_budget, total_expert_bytes)
-    runtime = build_runtime(store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier)
+    runtime = build_runtime(
+        store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier, policy=policy
+    )
     model = qwen3_vl_moe.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
     if runtime.pipeline.tier.name in ("unified", "mmap"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))

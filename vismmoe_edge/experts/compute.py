@@ -65,7 +65,8 @@ class OffloadedExperts(nn.Module):
         for hook in rt.route_hooks:
             hook(self.layer, hidden_states, top_k_index, top_k_weights)
         index_cpu = top_k_index.cpu()  # one sync per layer: the routing decides what to fetch anyway
-        order = pipeline.begin_layer(self.layer, torch.unique(index_cpu).tolist())
+        experts, counts = torch.unique(index_cpu, return_counts=True)
+        order = pipeline.begin_layer(self.layer, experts.tolist(), (counts / index_cpu.shape[0]).tolist())
         if rt.predictor is not None:
             start = time.perf_counter()
             pipeline.prefetch(rt.predictor.predict(self.layer, hidden_states, top_k_index), current_layer=self.layer)

@@ -30,6 +30,9 @@ DEMAND = 0  # queue classes: lower goes first
 SPECULATIVE = 1
 REQUIRED_PRIORITY = float("inf")
 EXPIRED_BASE = -1e12  # Expired priorities are EXPIRED_BASE + use time: oldest first, below any prediction score
+POLICIES = ("lru", "popularity")
+POPULARITY_DECAY = 0.99  # keeps scores bounded (< 100) so Expired priorities stay below prediction scores
+POPULARITY_SCALE = 1e9  # popularity dominates; use time (a counter) breaks ties
 
 
 class State(Enum):
@@ -115,11 +118,16 @@ class ExpertPipeline:
         pinned: dict[ExpertKey, ExpertWeights] | None = None,
         speculative_cap_bytes: int = 0,
         io_workers: int = 1,
+        policy: str = "lru",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         if capacity < 1:
             raise ValueError("the pipeline needs at least one slot")
         self.tier = tier
         self.capacity = capacity
+        self.policy = policy
+        self._popularity: dict[ExpertKey, float] = {}
         self.pinned = pinned or {}
         self.speculative_cap_bytes = speculative_cap_bytes
         self.stats = PipelineStats(pinned_bytes=sum(w.nbytes for w in self.pinned.values()))
@@ -149,9 +157,18 @@ class ExpertPipeline:
             worker.start()
 
     # ---- compute side -------------------------------------------------------------------------------
-    def begin_layer(self, layer: int, experts: Iterable[int]) -> list[int]:
-        """Mark a layer's routed experts Required, queue the missing ones; return the order to compute them in."""
+    def begin_layer(self, layer: int, experts: Iterable[int], shares: Iterable[float] | None = None) -> list[int]:
+        """Mark a layer's routed experts Required, queue the missing ones; return the order to compute them in.
+
+        `shares`: the fraction of this step's tokens routed to each expert (the "popularity" policy's signal:
+        a prompt's routing says which experts its reply will keep using).
+        """
         self.layer_log.append(LayerStats(layer))
+        if shares is not None and self.policy == "popularity":
+            experts = list(experts)
+            for expert, share in zip(experts, shares, strict=True):
+                key = (layer, expert)
+                self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + share
         ready: list[int] = []
         waiting: list[int] = []
         self._misses = set()
@@ -228,7 +245,9 @@ class ExpertPipeline:
             entry = self._entries[key]
             assert entry.slot is not None
             self.tier.done(key, entry.slot)
-            self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + next(self._clock))  # LRU order among Expired
+            # lru: oldest use first; popularity: least used (decayed share of tokens) first, then oldest
+            score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+            self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + score + next(self._clock))
             if self._slot_waiters:
                 self._lock.notify_all()  # a demand fetch is waiting for a slot to free up
 

@@ -23,6 +23,7 @@ def build_runtime(
     tier: str = "auto",
     speculative_cap_bytes: int | None = None,
     io_workers: int | None = None,
+    policy: str = "lru",
 ) -> ExpertRuntime:
     """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots."""
     per_expert = store.expert_nbytes()
@@ -66,6 +67,7 @@ def build_runtime(
         pinned=pinned,
         speculative_cap_bytes=speculative_cap_bytes,
         io_workers=io_workers,
+        policy=policy,
     )
     pipeline.stats.bytes_read = 0
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Unified-memory (Jetson proxy) benchmark: decode under a memory cgroup that caps the process, page cache included.
+
+One run compares, at each cap (a share of the checkpoint's size), with the page cache evicted before each trial:
+- plain mmap: experts are views of the mapping, the kernel pages them in on faults (what llama.cpp does),
+- our LRU on demand (unified tier: exact-range preads into the page cache, exact-range drops out),
+- our pipeline with each simple predictor (previous-token, next-layer-gate),
+- the oracle bound: Belady's fewest bytes for the same routing at the LRU's slot count, read at the disk
+  bandwidth measured in this run, overlapped perfectly with the all-resident compute time measured in this run.
+
+Routing: `--routing replay` takes routed experts from a real trace (`--trace PATH`, e.g. the DeepSeek-V2-Lite
+prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
+`--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
+
+    python tools/bench_unified.py --model /work/bench-data/qwen3vl-30b-a3b-8layer \
+        --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(TOOLS.parent))
+
+PROMPT_TOKENS = 64
+STRATEGIES = {  # name -> (tier, predictor, eviction policy)
+    "plain-mmap": ("mmap", "none", "lru"),
+    "lru": ("unified", "none", "lru"),
+    "popularity": ("unified", "none", "popularity"),
+    "popularity+previous-token": ("unified", "previous-token", "popularity"),
+    "popularity+next-layer-gate": ("unified", "next-layer-gate", "popularity"),
+}
+
+
+def proc_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def prompt_ids(processor, n: int) -> list[int]:
+    text = " ".join(f"word{i} is here" for i in range(n))
+    ids = processor.tokenizer(text)["input_ids"]
+    return ids[:n]
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One trial inside the cgroup: load, prefill PROMPT_TOKENS, decode --tokens; report as JSON."""
+    import torch
+
+    import vismmoe_edge
+    from vismmoe_edge.describe import describe_checkpoint
+    from vismmoe_edge.prompt import PromptInputs
+    from vismmoe_edge.sampling import SamplingConfig
+
+    torch.set_num_threads(2)
+    tier, predictor, policy = STRATEGIES.get(args.strategy, ("host", "none", "lru"))
+    info = describe_checkpoint(args.model)
+    baseline_rss = rss_bytes()  # python + torch + transformers, before any weight
+    if args.strategy == "resident":
+        budget = "100%"
+    else:
+        # what the cap leaves for expert pages: minus the process itself, the resident weights and a margin
+        # for activations, the KV cache and allocator slack
+        budget = str(int(args.cap_bytes - baseline_rss - info["resident_bytes"] - args.margin_mib * 2**20))
+    engine = vismmoe_edge.load(
+        args.model, memory_budget=budget, tier=tier, predictor=predictor, policy=policy, device="cpu"
+    )
+    if args.routing == "replay":
+        engine.replay_routing(args.trace, start_token=args.start_token)
+    pipeline = engine.experts.pipeline
+    inputs = PromptInputs(input_ids=torch.tensor([prompt_ids(engine.processor, PROMPT_TOKENS)]))
+    sampling = SamplingConfig(
+        max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, temperature=1.0, seed=args.start_token
+    )
+    if args.strategy == "resident":  # warm every expert once, then time compute alone
+        for layer in engine.catalogue.moe_layers:
+            for e in range(engine.catalogue.num_experts):
+                pipeline.begin_layer(layer, [e])
+                pipeline.acquire(layer, e)
+                pipeline.finish(layer, e)
+    pipeline.reset_stats()
+    read_before = proc_read_bytes()
+    times: list[float] = []
+    start = time.perf_counter()
+    read_after_prefill = 0
+    for _ in engine.stream(inputs, sampling):
+        times.append(time.perf_counter())
+        if len(times) == 1:
+            read_after_prefill = proc_read_bytes()
+    steps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    stats = pipeline.stats.as_dict()
+    decode_read = proc_read_bytes() - read_after_prefill
+    return {
+        "strategy": args.strategy,
+        "cap_bytes": args.cap_bytes,
+        "budget_bytes": int(budget) if budget.isdigit() else None,
+        "slots": pipeline.capacity,
+        "prefill_s": times[0] - start,
+        "decode_s_per_token": statistics.median(steps),
+        "decode_tokens_per_s": 1 / statistics.median(steps),
+        "decode_read_bytes_per_token": decode_read / len(steps),
+        "prefill_read_bytes": read_after_prefill - read_before,
+        "hit_rate": stats["hit_rate"],
+        "stall_s": stats["stall_s"],
+        "speculative_bytes": stats["speculative_bytes"],
+        "wasted_speculative_bytes": stats["wasted_speculative_bytes"],
+        "refault_bytes": getattr(pipeline.tier, "refault_bytes", 0),
+        "fetch_gb_s": stats["bytes_read"] / stats["fetch_seconds"] / 1e9 if stats["fetch_seconds"] else None,
+    }
+
+
+def disk_bandwidth(shards: list[Path], expert_bytes: int, trials: int = 3, experts: int = 24) -> float:
+    """Median GB/s of reading random expert-sized ranges cold with the pread pool (what a miss costs)."""
+    from vismmoe_edge import pagecache
+
+    rates = []
+    rng = random.Random(0)
+    for _ in range(trials):
+        for shard in shards:
+            pagecache.evict_file(shard)
+        picks = [(rng.choice(shards), rng.randrange(0, shards[0].stat().st_size // 2)) for _ in range(experts)]
+        start = time.perf_counter()
+        for shard, offset in picks:
+            with pagecache.MappedFile(shard) as mf:
+                mf.set_random()
+                size = min(expert_bytes, mf.size - offset)
+                pagecache.prefetch_pread(mf, [(offset, size)], threads=8)
+        rates.append(experts * expert_bytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+def oracle_bound(args: argparse.Namespace, catalogue, slots: int, bandwidth_gb_s: float, compute_s: float) -> dict:
+    """Belady's fewest decode misses for the replayed routing, the cache warmed by the same prefill."""
+    import numpy as np
+
+    from vismmoe_edge.experts.oracle import belady
+    from vismmoe_edge.trace import load_trace
+
+    trace = load_trace(args.trace)
+    layers = catalogue.moe_layers
+    rows = (args.start_token + np.arange(PROMPT_TOKENS + args.tokens)) % trace.num_tokens
+    ids = trace.expert_ids[rows]
+    prefill = [
+        layer * 1000 + int(e)
+        for i, layer in enumerate(layers)
+        for e in sorted(set(ids[:PROMPT_TOKENS, i % trace.num_layers].flatten().tolist()))
+    ]
+    decode = [
+        layer * 1000 + int(e)
+        for t in range(PROMPT_TOKENS, PROMPT_TOKENS + args.tokens)
+        for i, layer in enumerate(layers)
+        for e in sorted(set(ids[t, i % trace.num_layers].tolist()))
+    ]
+    misses = belady(prefill + decode, slots).misses - belady(prefill, slots).misses
+    per_token_bytes = misses * catalogue.expert_bytes / args.tokens
+    seconds = max(compute_s, per_token_bytes / (bandwidth_gb_s * 1e9))
+    return {
+        "strategy": "oracle-bound",
+        "slots": slots,
+        "decode_read_bytes_per_token": per_token_bytes,
+        "decode_s_per_token": seconds,
+        "decode_tokens_per_s": 1 / seconds,
+    }
+
+
+def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, shards: list[Path], start_token: int):
+    import memcgroup
+
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        strategy,
+        "--model",
+        str(args.model),
+        "--routing",
+        args.routing,
+        "--tokens",
+        str(args.tokens),
+        "--start-token",
+        str(start_token),
+        "--cap-bytes",
+        str(cap_bytes or 0),
+        "--margin-mib",
+        str(args.margin_mib),
+    ]
+    if args.trace:
+        cmd += ["--trace", str(args.trace)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    run = memcgroup.run_capped(cmd, cap_bytes, evict=shards, env=env, capture_output=True, timeout=1800)
+    if run.returncode != 0:
+        tail = (run.stderr or "").strip().splitlines()[-3:]
+        return {
+            "strategy": strategy,
+            "cap_bytes": cap_bytes,
+            "error": f"rc={run.returncode} {' | '.join(tail)}",
+            "oom_killed": run.oom_killed,
+        }
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result.update(peak_cgroup_bytes=run.max_usage_bytes, cgroup_failcnt=run.failcnt, oom_killed=run.oom_killed)
+    return result
+
+
+def run_llamacpp(args: argparse.Namespace, cap_bytes: int) -> dict:
+    """llama.cpp's own llama-bench tg32 on the same expert bytes (converted to GGUF), same cap, evicted cache."""
+    import llamacpp_baseline
+
+    result = llamacpp_baseline.llama_bench(
+        args.llama_gguf,
+        args.llama_build,
+        test=f"tg{args.llama_tokens}",
+        limit=cap_bytes,
+        runs=args.repeats,
+        log=lambda line: None,
+    )
+    if result.tok_s_median is None:
+        return {"strategy": "llama.cpp", "cap_bytes": cap_bytes, "error": str([r.error for r in result.runs])}
+    return {
+        "strategy": "llama.cpp",
+        "cap_bytes": cap_bytes,
+        "decode_tokens_per_s": result.tok_s_median,
+        "decode_s_per_token": 1 / result.tok_s_median,
+        "decode_read_bytes_per_token": result.read_bytes_per_token_median,
+        "decode_tokens_per_s_all": [round(r.tok_s, 3) for r in result.runs],
+        "trials": len(result.runs),
+        "routing": "llama.cpp's own (random prompt ids through the synthetic routers)",
+    }
+
+
+def median_of(trials: list[dict]) -> dict:
+    ok = [t for t in trials if "error" not in t]
+    if not ok:
+        return trials[0]
+    out = dict(ok[0])
+    for key in (
+        "prefill_s",
+        "decode_s_per_token",
+        "decode_read_bytes_per_token",
+        "hit_rate",
+        "stall_s",
+        "wasted_speculative_bytes",
+        "peak_cgroup_bytes",
+    ):
+        values = [t[key] for t in ok if t.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
+    out["trials"] = len(ok)
+    out["decode_tokens_per_s_all"] = [round(1 / t["decode_s_per_token"], 3) for t in ok]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--trace", type=Path)
+    ap.add_argument("--routing", choices=["replay", "sampled"], default="replay")
+    ap.add_argument("--caps", default="0.4,0.6", help="memory caps as shares of the checkpoint's bytes")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--margin-mib", type=int, default=384)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--llama-gguf", type=Path, help="the same checkpoint as GGUF, to add llama.cpp as a baseline")
+    ap.add_argument("--llama-build", type=Path, help="llama.cpp build directory (bin/llama-bench)")
+    ap.add_argument("--llama-tokens", type=int, default=32)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--start-token", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.strategy = args.worker
+        print(json.dumps(worker(args)))
+        return
+    if args.routing == "replay" and args.trace is None:
+        ap.error("--routing replay needs --trace PATH")
+
+    from tqdm import tqdm
+
+    from vismmoe_edge.checkpoint import read_tensor_table
+    from vismmoe_edge.models import qwen3_vl_moe
+
+    config = qwen3_vl_moe.read_config(args.model)
+    catalogue = qwen3_vl_moe.catalogue_for(config, read_tensor_table(args.model))
+    shards = sorted(args.model.glob("*.safetensors"))
+    checkpoint_bytes = sum(s.stat().st_size for s in shards)
+    caps = [float(c) for c in args.caps.split(",")]
+    strategies = args.strategies.split(",")
+    if args.routing == "replay":  # it guesses from the model's router, which replayed routing ignores
+        strategies = [s for s in strategies if "next-layer-gate" not in s]
+    bandwidth = disk_bandwidth(shards, catalogue.expert_bytes)
+    print(f"disk: {bandwidth:.2f} GB/s for cold expert-sized preads", flush=True)
+
+    starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
+    resident = median_of([run_trial(args, "resident", None, shards, s) for s in starts[:1]])
+    print("resident", resident, flush=True)
+    results = [{**resident, "cap": None}]
+    bar = tqdm(total=len(caps) * len(strategies) * args.repeats, desc="trials")
+    for cap in caps:
+        cap_bytes = int(cap * checkpoint_bytes)
+        rows = []
+        for strategy in strategies:
+            trials = []
+            for start in starts:
+                trials.append(run_trial(args, strategy, cap_bytes, shards, start))
+                bar.update()
+            row = {**median_of(trials), "cap": cap}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.llama_gguf:
+            rows.append({**run_llamacpp(args, cap_bytes), "cap": cap})
+            print(json.dumps(rows[-1]), flush=True)
+        lru = next((r for r in rows if r["strategy"] == "lru" and "error" not in r), None)
+        if lru is not None and args.routing == "replay":
+            args.start_token = starts[0]
+            rows.append(
+                {**oracle_bound(args, catalogue, lru["slots"], bandwidth, resident["decode_s_per_token"]), "cap": cap}
+            )
+        results += rows
+    bar.close()
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, {os.uname().machine}, {os.uname().release}",
+        "model": str(args.model),
+        "checkpoint_bytes": checkpoint_bytes,
+        "routing": args.routing,
+        "trace": str(args.trace) if args.trace else None,
+        "prompt_tokens": PROMPT_TOKENS,
+        "decode_tokens": args.tokens,
+        "repeats": args.repeats,
+        "disk_gb_s": bandwidth,
+        "results": results,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
