@@ -22,7 +22,7 @@ from transformers.masking_utils import create_causal_mask
 from vismmoe_edge.checkpoint import ExpertCatalogue
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
-from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
+from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -113,6 +113,13 @@ class Engine:
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
         return encode_prompt(self.processor, prompt, loaded)
+
+    def encode_messages(
+        self, messages: list[dict[str, Any]], images: list[str | Path | Image.Image] | None = None
+    ) -> PromptInputs:
+        """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order."""
+        loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
+        return encode_messages(self.processor, messages, loaded)
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep SDPA off the cuDNN backend: it builds a new graph for every KV length, which made each

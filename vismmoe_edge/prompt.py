@@ -56,9 +56,22 @@ def build_messages(prompt: str, num_images: int) -> list[dict[str, Any]]:
 def encode_prompt(processor: Any, prompt: str, images: list[Image.Image]) -> PromptInputs:
     if not prompt.strip():
         raise VismmoeError("the prompt is empty; pass --prompt TEXT")
-    text = processor.apply_chat_template(
-        build_messages(prompt, len(images)), tokenize=False, add_generation_prompt=True
+    return encode_messages(processor, build_messages(prompt, len(images)), images)
+
+
+def encode_messages(processor: Any, messages: list[dict[str, Any]], images: list[Image.Image]) -> PromptInputs:
+    """A whole conversation (transformers' content-list format, `{"type": "image"}` where each image goes, in
+    the order of `images`) through the checkpoint's chat template, ready for the assistant's reply."""
+    placeholders = sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
     )
+    if placeholders != len(images):
+        raise VismmoeError(f"the messages hold {placeholders} image parts but {len(images)} images were given")
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     encoded = processor(text=[text], images=images or None, return_tensors="pt")
     return PromptInputs(
         input_ids=encoded["input_ids"],
