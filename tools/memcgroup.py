@@ -12,7 +12,7 @@ on a bigger machine. Here:
   inside whatever hierarchy already accounts for the caller; pass `parent="/"` for
   `/sys/fs/cgroup/memory/vismmoe-bench-<name>`.
 - `run_capped(cmd, limit, evict=...)`: the one-call form; returns a `CappedRun` with the exit status, the peak
-  charge (`memory.max_usage_in_bytes`), `memory.failcnt` (limit hits, i.e. reclaim events), the OOM kills
+  charge (`memory.max_usage_in_bytes`), `memory.failcnt` (limit hits; 0 on some kernels even at the cap), the OOM kills
   (`memory.oom_control` `oom_kill`), `memory.stat` at exit, the child's own block reads (`read_bytes` from its
   rusage: `ru_inblock` x 512, i.e. its /proc/<pid>/io `read_bytes`, descendants it waited for included) and the
   block-device read delta over the run (`disk_read_bytes`, /sys/block/*/stat, all processes).
@@ -200,7 +200,7 @@ class CappedRun:
     returncode: int
     limit_bytes: int
     max_usage_bytes: int  # memory.max_usage_in_bytes: peak charge (anonymous + page cache + kernel)
-    failcnt: int  # memory.failcnt: times usage hit the limit (each one forced reclaim)
+    failcnt: int  # memory.failcnt: limit hits (stays 0 on kernel 6.18 here even at the cap)
     oom_kills: int  # memory.oom_control "oom_kill": processes the cgroup OOM killer killed
     read_bytes: int  # the child's own storage reads (rusage ru_inblock x 512)
     disk_read_bytes: int  # reads of all real disks during the run (any process)
