@@ -127,23 +127,28 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
-def disk_bandwidth(shards: list[Path], expert_bytes: int, trials: int = 3, experts: int = 24) -> float:
-    """Median GB/s of reading random expert-sized ranges cold with the pread pool (what a miss costs)."""
+def disk_bandwidth(catalogue, trials: int = 3, experts: int = 24) -> float:
+    """Median GB/s of reading random experts cold, exactly as the unified tier fetches them (pread pool)."""
     from vismmoe_edge import pagecache
 
-    rates = []
     rng = random.Random(0)
+    keys = list(catalogue.experts)
+    shards = sorted({p.shard for loc in catalogue.experts.values() for p in loc.parts})
+    files = {shard: pagecache.MappedFile(shard) for shard in shards}
+    for mf in files.values():
+        mf.set_random()
+    rates = []
     for _ in range(trials):
         for shard in shards:
-            pagecache.evict_file(shard)
-        picks = [(rng.choice(shards), rng.randrange(0, shards[0].stat().st_size // 2)) for _ in range(experts)]
+            pagecache.release(files[shard], [(0, files[shard].size)])
+        picks = rng.sample(keys, experts)
         start = time.perf_counter()
-        for shard, offset in picks:
-            with pagecache.MappedFile(shard) as mf:
-                mf.set_random()
-                size = min(expert_bytes, mf.size - offset)
-                pagecache.prefetch_pread(mf, [(offset, size)], threads=8)
-        rates.append(experts * expert_bytes / (time.perf_counter() - start) / 1e9)
+        for key in picks:
+            for part in catalogue.expert(*key).parts:
+                pagecache.prefetch_pread(files[part.shard], [(part.offset, part.nbytes)], threads=8)
+        rates.append(experts * catalogue.expert_bytes / (time.perf_counter() - start) / 1e9)
+    for mf in files.values():
+        mf.close()
     return statistics.median(rates)
 
 
@@ -306,7 +311,7 @@ def main() -> None:
     strategies = args.strategies.split(",")
     if args.routing == "replay":  # it guesses from the model's router, which replayed routing ignores
         strategies = [s for s in strategies if "next-layer-gate" not in s]
-    bandwidth = disk_bandwidth(shards, catalogue.expert_bytes)
+    bandwidth = disk_bandwidth(catalogue)
     print(f"disk: {bandwidth:.2f} GB/s for cold expert-sized preads", flush=True)
 
     starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch

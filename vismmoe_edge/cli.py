@@ -153,6 +153,15 @@ def doctor() -> None:
         raise typer.Exit(1)
 
 
+def _register_commands() -> None:
+    from vismmoe_edge.bench import bench_command
+
+    app.command("bench")(bench_command)
+
+
+_register_commands()
+
+
 def main() -> None:
     app()
 
