@@ -108,6 +108,16 @@ def test_every_tier_and_predictor_matches_transformers(checkpoints, references, 
         assert engine.experts.pipeline.stats.speculative_bytes > 0  # the predictor really drove prefetches
 
 
+def test_popularity_policy_matches_transformers(checkpoints, references) -> None:
+    engine = vismmoe_edge.load(checkpoints["hub"], memory_budget="25%", policy="popularity", tier="unified")
+    for name, ref in references.items():
+        result = engine.generate_from_inputs(
+            ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        )
+        assert result.token_ids == ref.tokens, name
+    assert engine.experts.pipeline.stats.evictions > 0
+
+
 def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> None:
     from vismmoe_edge.demo import build_tiny_checkpoint
 

@@ -61,10 +61,12 @@ def test_resident_pages_follow_the_cache(fresh_checkpoint: Path, images) -> None
     pipeline.close()
 
 
-def test_prefetch_makes_an_expert_resident(fresh_checkpoint: Path) -> None:
+@pytest.mark.parametrize("method", ["pread", "madvise"])
+def test_prefetch_makes_an_expert_resident(fresh_checkpoint: Path, method: str) -> None:
     engine = vismmoe_edge.load(fresh_checkpoint, memory_budget="50%", tier="unified")
     pipeline = engine.experts.pipeline
     tier = pipeline.tier
+    tier.method = method
     if not next(iter(tier.shards.files.values())).truthful_mincore:
         pytest.skip("mincore does not tell the truth to this user (not the files' owner)")
     assert expert_residency(tier, (9, 3)) == 0.0

@@ -113,6 +113,14 @@ def run(
     from vismmoe_edge.units import format_bytes
 
     t, x = result.timings, result.experts
+    lock = engine.experts.lock_report
+    if lock is not None and (lock.locked_bytes or lock.failed_bytes):
+        why = f" ({lock.reason})" if lock.failed_bytes and lock.reason else ""
+        typer.echo(
+            f"[pinned prefix: {format_bytes(lock.locked_bytes)} mlocked, {format_bytes(lock.failed_bytes)} could "
+            f"not be locked{why}]",
+            err=True,
+        )
     typer.echo("")
     typer.echo(
         f"[prefill {t.prefill_s * 1000:.0f} ms for {len(result.prompt_token_ids)} tokens | "

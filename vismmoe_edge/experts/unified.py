@@ -75,9 +75,15 @@ class UnifiedTier:
 
     name = "unified"
 
-    def __init__(self, store: ExpertStore, slots: int, *, threads: int = 8) -> None:
+    def __init__(self, store: ExpertStore, slots: int, *, threads: int = 8, method: str = "pread") -> None:
+        if method not in ("pread", "madvise"):
+            raise VismmoeError(f"unified fetch method {method!r}: use pread or madvise")
         self.shards = _MappedShards(store, random_access=True)
         self.threads = threads
+        # pread: a blocking pool of exact reads; madvise: chunked WILLNEED hints, then mincore until resident and
+        # a pread of any page the hint left out. They tie on this VM's disk (docs/prefetch-measurements.md);
+        # pread is the default because it also works where mincore lies (not the files' owner).
+        self.method = method
         self.slot_bytes = store.catalogue.expert_bytes
         self.refault_bytes = 0  # pages the kernel reclaimed behind our back and we had to read again
 
@@ -86,7 +92,13 @@ class UnifiedTier:
 
     def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights:
         for shard, ranges in self.shards.ranges(key).items():
-            pagecache.prefetch_pread(self.shards.files[shard], ranges, threads=self.threads)
+            mf = self.shards.files[shard]
+            if self.method == "madvise" and mf.truthful_mincore:
+                pagecache.prefetch_madvise(mf, ranges)
+                pagecache.wait_resident(mf, ranges, timeout=2.0, stall=0.05)
+                pagecache.ensure_resident(mf, ranges, threads=self.threads)
+            else:
+                pagecache.prefetch_pread(mf, ranges, threads=self.threads)
         return self.shards.weights(key)
 
     def ready(self, key: ExpertKey, slot: int) -> None:

@@ -1,0 +1,252 @@
+"""The planner: pinned-prefix depth, expert-cache size and prefetch depth from a profile, a checkpoint's
+catalogue and the memory actually available. `vismmoe-edge plan MODEL` prints the plan and why.
+
+The rule (the seed paper's): L_semantic <= L <= floor((M_avail - C_safe) / S_layer). We also subtract the
+resident non-expert weights and keep room for one layer's top-k experts in the cache, so:
+
+    M_e   = M_avail - C_safe - R                      (memory left for expert weights)
+    L_max = n                                         if M_e >= n * S_layer (every expert fits)
+          = floor((M_e - k * S_e) / S_layer)          otherwise
+    L     = min(L_semantic, n, L_max)                 (warn when L_max < L_semantic)
+    cache = min(M_e - L * S_layer, (n - L) * S_layer)
+    depth = min(profile depth, cache // (k * S_e) - 1), 0 when nothing streams
+
+L stays at its semantic minimum because the compressor cuts visual tokens after the pinned prefix
+(notes/architecture.md): a deeper prefix runs more layers on every visual token, and memory given to the
+cache instead follows the routing's skew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from vismmoe_edge import system
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.profile_match import Profile, select_profile
+from vismmoe_edge.units import format_bytes
+
+GIB = 1 << 30
+
+
+@dataclass
+class Plan:
+    model_dir: str
+    profile: str
+    tier: str  # "unified" (Jetson, cpu) or "gpu" (desktop-gpu): the loader's tier
+    pinned_layers: int
+    moe_layers: int
+    memory_budget_bytes: int  # pinned prefix + expert cache: the loader's --memory-budget
+    cache_bytes: int
+    prefetch_depth: int
+    m_avail_bytes: int
+    m_avail_source: str
+    c_safe_bytes: int
+    resident_bytes: int  # non-expert weights, always in memory
+    s_layer_bytes: int  # all routed experts of one MoE layer
+    bytes_per_expert: int
+    top_k: int
+    l_semantic: int
+    l_max: int
+    why: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def cache_experts(self) -> int:
+        return self.cache_bytes // self.bytes_per_expert if self.bytes_per_expert else 0
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """What `loader.load(...)` takes from the plan (sizes are bytes at the checkpoint dtype)."""
+        return {"memory_budget": str(self.memory_budget_bytes), "pinned_layers": self.pinned_layers, "tier": self.tier}
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"cache_experts": self.cache_experts}
+
+
+def _gpu_free_bytes() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise VismmoeError("profile desktop-gpu needs CUDA, which torch cannot use here: pass --profile cpu")
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def _m_avail(profile: Profile, mem_available: int | None, gpu_free: int | None, root: Path) -> tuple[int, str]:
+    if profile.planner.unified_memory:
+        if mem_available is not None:
+            return mem_available, "MemAvailable (given)"
+        # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
+        return system.mem_available_bytes(root), f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
+    if gpu_free is not None:
+        return gpu_free, "free GPU memory (given)"
+    return _gpu_free_bytes(), "free GPU memory from torch.cuda.mem_get_info (discrete GPU)"
+
+
+def make_plan(
+    model_dir: Path,
+    profile: Profile,
+    *,
+    mem_available: int | None = None,
+    gpu_free: int | None = None,
+    l_semantic: int | None = None,
+    c_safe: int | None = None,
+    root: Path = Path("/"),
+    profile_reason: str = "",
+) -> Plan:
+    """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
+    (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value."""
+    from vismmoe_edge.describe import describe_checkpoint
+
+    d = describe_checkpoint(Path(model_dir))
+    n, k, e = d["moe_layers"], d["top_k"], d["experts_per_layer"]
+    s_e, s_layer, resident = d["bytes_per_expert"], d["expert_bytes_per_layer"], d["resident_bytes"]
+    m_avail, source = _m_avail(profile, mem_available, gpu_free, root)
+    l_sem_from = "--l-semantic" if l_semantic is not None else f"profile {profile.name}"
+    c_safe_from = "--c-safe-gib" if c_safe is not None else f"profile {profile.name}"
+    l_sem = profile.planner.l_semantic if l_semantic is None else l_semantic
+    c_safe_b = int(profile.planner.c_safe_gib * GIB) if c_safe is None else c_safe
+    if l_sem < 0 or c_safe_b < 0:
+        raise VismmoeError("--l-semantic and --c-safe-gib must not be negative")
+
+    why: list[str] = [f"profile {profile.name}: {profile_reason}"] if profile_reason else []
+    warnings: list[str] = []
+    m_e = m_avail - c_safe_b - resident
+    one_layer_topk = k * s_e
+    why += [
+        f"M_avail = {format_bytes(m_avail)}: {source}",
+        f"C_safe = {format_bytes(c_safe_b)} ({c_safe_from}): OS and runtime headroom",
+        f"R = {format_bytes(resident)} of non-expert weights stay resident: subtracted",
+        f"M_e = M_avail - C_safe - R = {format_bytes(m_e)} for expert weights",
+        f"S_layer = {e} experts x {format_bytes(s_e)} = {format_bytes(s_layer)} per MoE layer ({n} MoE layers, "
+        f"top-{k}; sizes at the checkpoint dtype {d['dtype']})",
+    ]
+    if m_e < one_layer_topk:
+        raise VismmoeError(
+            f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
+            f"{format_bytes(c_safe_b)} - resident {format_bytes(resident)}) cannot hold one layer's top-{k} experts "
+            f"({format_bytes(one_layer_topk)}); free memory or lower --c-safe-gib"
+        )
+
+    if m_e >= n * s_layer:
+        l_max = n
+        why.append(
+            f"rule: L_semantic <= L <= L_max; every expert fits (n x S_layer = {format_bytes(n * s_layer)}), "
+            f"so L_max = n = {n}"
+        )
+    else:
+        l_max = (m_e - one_layer_topk) // s_layer
+        why.append(
+            f"rule: L_semantic <= L <= L_max = floor((M_e - top-k x S_e) / S_layer) = floor(({format_bytes(m_e)} - "
+            f"{format_bytes(one_layer_topk)}) / {format_bytes(s_layer)}) = {l_max} (the paper's "
+            "floor((M_avail - C_safe) / S_layer), less R and room for one layer's top-k in the cache)"
+        )
+    target = min(l_sem, n)
+    if l_max < target:
+        pinned = l_max
+        warnings.append(
+            f"L_max = {l_max} < L_semantic = {target}: pinning only {l_max} layers; "
+            f"the compressor's cut comes before the semantic layers are resident"
+        )
+        why.append(f"L = L_max = {l_max}: L_semantic = {l_sem} ({l_sem_from}) does not fit")
+    else:
+        pinned = target
+        why.append(
+            f"L = L_semantic = {pinned} ({l_sem_from}{', capped at n' if l_sem > n else ''}): the compressor cuts "
+            "visual tokens after the prefix, so a deeper prefix costs prefill; spare memory goes to the cache"
+        )
+
+    streamed = n - pinned
+    cache = min(m_e - pinned * s_layer, streamed * s_layer)
+    budget = pinned * s_layer + cache
+    slots = cache // s_e
+    why.append(
+        f"cache = min(M_e - L x S_layer, (n - L) x S_layer) = {format_bytes(cache)} = {slots} experts"
+        + (f", {slots / (streamed * e):.0%} of the {streamed} streamed layers' experts" if streamed else "")
+        + f" (at least one layer's top-{k} = {format_bytes(one_layer_topk)})"
+    )
+    why.append(f"memory budget = L x S_layer + cache = {format_bytes(budget)} (--memory-budget {budget})")
+
+    depth_wanted = profile.planner.prefetch_depth
+    if streamed == 0:
+        depth = 0
+        why.append("prefetch depth 0: every MoE layer is pinned, nothing streams")
+    else:
+        depth = min(depth_wanted, slots // k - 1)
+        held = f"the cache holds the top-{k} of {slots // k} layer(s); prefetching d layers ahead needs d + 1"
+        if depth < depth_wanted:
+            warnings.append(f"prefetch depth lowered from {depth_wanted} to {depth}: the cache is too small")
+            why.append(f"prefetch depth {depth}: profile asks {depth_wanted}, but {held}")
+        else:
+            why.append(f"prefetch depth {depth} (profile {profile.name}); {held}")
+    where = "the page cache of unified/host memory" if profile.tier == "unified" else "slots in GPU memory"
+    why.append(f"tier {profile.tier}: the cache lives in {where}")
+    return Plan(
+        model_dir=str(model_dir),
+        profile=profile.name,
+        tier=profile.tier,
+        pinned_layers=pinned,
+        moe_layers=n,
+        memory_budget_bytes=budget,
+        cache_bytes=cache,
+        prefetch_depth=depth,
+        m_avail_bytes=m_avail,
+        m_avail_source=source,
+        c_safe_bytes=c_safe_b,
+        resident_bytes=resident,
+        s_layer_bytes=s_layer,
+        bytes_per_expert=s_e,
+        top_k=k,
+        l_semantic=l_sem,
+        l_max=l_max,
+        why=why,
+        warnings=warnings,
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [
+        f"plan for {plan.model_dir} (profile {plan.profile}, tier {plan.tier})",
+        f"  pinned layers   {plan.pinned_layers} of {plan.moe_layers} MoE layers",
+        f"  expert cache    {format_bytes(plan.cache_bytes)} ({plan.cache_experts} experts)",
+        f"  memory budget   {format_bytes(plan.memory_budget_bytes)} "
+        f"(--memory-budget {plan.memory_budget_bytes} --pinned-layers {plan.pinned_layers} --tier {plan.tier})",
+        f"  prefetch depth  {plan.prefetch_depth}",
+    ]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines.append("why:")
+    lines += [f"  - {reason}" for reason in plan.why]
+    return "\n".join(lines)
+
+
+def plan_command(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
+    profile: Annotated[str, typer.Option("--profile", help="a profile name, or auto (detect board and mode)")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    l_semantic: Annotated[
+        int | None, typer.Option("--l-semantic", min=0, help="lowest pinned depth; default from the profile")
+    ] = None,
+    c_safe_gib: Annotated[
+        float | None, typer.Option("--c-safe-gib", min=0.0, help="headroom kept free (GiB); default from the profile")
+    ] = None,
+) -> None:
+    """Choose the pinned-prefix depth, expert-cache size and prefetch depth for this machine, and say why."""
+    try:
+        chosen, reason, profile_warnings = select_profile(profile)
+        plan = make_plan(
+            model_dir,
+            chosen,
+            l_semantic=l_semantic,
+            c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),
+            profile_reason=reason,
+        )
+    except VismmoeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    plan.warnings[:0] = profile_warnings
+    typer.echo(json.dumps(plan.as_dict(), indent=2) if json_out else format_plan(plan))
