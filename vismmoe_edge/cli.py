@@ -25,8 +25,20 @@ BudgetOpt = Annotated[
     str,
     typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
 ]
-PinnedOpt = Annotated[int, typer.Option("--pinned-layers", min=0, help="first N MoE layers keep every expert resident")]
-TierOpt = Annotated[str, typer.Option("--tier", help="cache slots: auto, host (RAM), gpu (CUDA), unified (page cache)")]
+RunBudgetOpt = Annotated[
+    str,
+    typer.Option(
+        "--memory-budget",
+        help="expert bytes kept in memory: a size (2GiB), a share of all experts (40%), or auto (plan)",
+    ),
+]
+RunPinnedOpt = Annotated[
+    int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: the plan's")
+]
+ProfileOpt = Annotated[str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto")]
+TierOpt = Annotated[
+    str, typer.Option("--tier", help="cache: auto (the plan's), host (RAM), gpu (CUDA), unified (page cache), mmap")
+]
 PolicyOpt = Annotated[
     str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
 ]
@@ -46,8 +58,9 @@ def run(
     model: ModelOpt = None,
     image: Annotated[list[Path] | None, typer.Option("--image", help="image file; repeat for several")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
-    memory_budget: BudgetOpt = "100%",
-    pinned_layers: PinnedOpt = 0,
+    memory_budget: RunBudgetOpt = "auto",
+    pinned_layers: RunPinnedOpt = None,
+    profile: ProfileOpt = "auto",
     temperature: Annotated[float, typer.Option(min=0.0, help="0 decodes greedily")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
     seed: Annotated[int | None, typer.Option(help="seed for sampling")] = None,
@@ -81,6 +94,7 @@ def run(
                 images = [ensure_sample_image()]
         from vismmoe_edge.loader import load
 
+        memory_budget, pinned_layers, tier = apply_plan(model, profile, memory_budget, pinned_layers, tier, device)
         engine = load(
             model,
             memory_budget=memory_budget,
@@ -134,6 +148,33 @@ def run(
     )
 
 
+def apply_plan(
+    model: Path | None, profile: str, memory_budget: str, pinned_layers: int | None, tier: str, device: str
+) -> tuple[str, int, str]:
+    """Fill what the user left to the planner ("auto" budget, no --pinned-layers, "auto" tier) from the plan."""
+    if memory_budget != "auto" and pinned_layers is not None and tier != "auto":
+        return memory_budget, pinned_layers, tier
+    from vismmoe_edge.plan import make_plan
+    from vismmoe_edge.profile_match import select_profile
+
+    if model is None:
+        from vismmoe_edge.demo import ensure_demo_model
+
+        model = ensure_demo_model()
+    chosen, reason, _ = select_profile(profile, cuda_available=False if device == "cpu" else None)
+    plan = make_plan(model, chosen, profile_reason=reason)
+    planned = plan.load_kwargs()
+    memory_budget = planned["memory_budget"] if memory_budget == "auto" else memory_budget
+    pinned_layers = planned["pinned_layers"] if pinned_layers is None else pinned_layers
+    tier = planned["tier"] if tier == "auto" else tier
+    typer.echo(
+        f"[plan: profile {chosen.name}: {pinned_layers} pinned layers, expert budget {memory_budget} B, tier {tier}; "
+        "`vismmoe-edge plan` says why]",
+        err=True,
+    )
+    return memory_budget, pinned_layers, tier
+
+
 @app.command()
 def info(
     model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
@@ -163,8 +204,10 @@ def doctor() -> None:
 
 def _register_commands() -> None:
     from vismmoe_edge.bench import bench_command
+    from vismmoe_edge.plan import plan_command
 
     app.command("bench")(bench_command)
+    app.command("plan")(plan_command)
 
 
 _register_commands()

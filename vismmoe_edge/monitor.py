@@ -161,7 +161,7 @@ def _system_cpu_times() -> tuple[int, int]:
 class PsutilSampler(Sampler):
     """CPU % and RSS of one process (default: this one), system memory and swap.
 
-    psutil is optional: without it the same fields come from /proc (`backend` says which ran).
+    psutil is optional: without it the same fields come from /proc (`backend` and `name` say which ran).
     cpu_percent is per CPU (200 = two cores busy), as top shows it.
     """
 
@@ -178,6 +178,7 @@ class PsutilSampler(Sampler):
             except ImportError:
                 pass
         self.backend = "psutil" if self._psutil is not None else "proc"
+        self.name = self.backend  # reported as the sampler that ran
         if self._psutil is not None:
             self._process = self._psutil.Process(self.pid)
             self._process.cpu_percent(None)  # the first call only primes the counters

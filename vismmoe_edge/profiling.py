@@ -196,7 +196,7 @@ def summarise(
     power = energy(samples, start, end)
     ttft = [r["ttft_s"] * 1000 for r in per_request if r["ttft_s"] is not None]
     rss = [s["rss_bytes"] for s in samples if "rss_bytes" in s]
-    peak_rss = max(rss + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024])  # ru_maxrss is KiB on Linux
+    peak_rss = int(max(rss + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))  # ru_maxrss is KiB on Linux
     return {
         "samplers": samplers,
         "settings": settings,

@@ -784,7 +784,8 @@ class Service:
         """SIGHUP hook: re-read the profile given at start. The planner (vismmoe_edge/plan.py) will act on it."""
         name = self.options.profile
         if name is None:
-            log.info("SIGHUP: no --profile given, nothing to reload")
+            if reload:
+                log.info("SIGHUP: no --profile given, nothing to reload")
             return
         path = Path(name).expanduser()
         if path.is_file():
@@ -1045,13 +1046,17 @@ class Handler(BaseHTTPRequestHandler):
             request = parse_chat_request(body, self.service.limits, self.service.image_dir)
             job = self.service.submit(request, arrival)
         except ApiError as e:
-            self.service.metrics.record_response(e.status)
-            self.send_error_json(e)
+            self.refuse(e)
             return
         if request.stream:
             self.answer_stream(job)
         else:
             self.answer_blocking(job)
+
+    def refuse(self, error: ApiError) -> None:
+        self.service.metrics.record_response(error.status)
+        log.info("chat completion refused: %d %s", error.status, error.message)
+        self.send_error_json(error)
 
     def read_json_body(self) -> object:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -1105,8 +1110,7 @@ class Handler(BaseHTTPRequestHandler):
                 return
             kind, payload = event
             if kind == "error":
-                self.service.metrics.record_response(payload.status)
-                self.send_error_json(payload)
+                self.refuse(payload)
                 return
             if kind == "done":
                 self.service.metrics.record_response(200)
@@ -1121,8 +1125,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if event[0] == "error":
-            self.service.metrics.record_response(event[1].status)
-            self.send_error_json(event[1])
+            self.refuse(event[1])
             return
         self.close_connection = True  # no Content-Length: the end of the body is the end of the connection
         try:

@@ -124,8 +124,9 @@ ExecStart=@EXEC_START@
 # Loading validates and maps shards (minutes from an SD card or a cold NVMe). The daemon also sends
 # EXTEND_TIMEOUT_USEC while it loads, which extends past this limit, so a hang still fails eventually.
 TimeoutStartSec=10min
-# The daemon pings WATCHDOG=1 from the decode/scheduler loop's progress, not from a free-running thread, so a hung
-# CUDA call or I/O stall trips it: systemd then sends SIGABRT (WatchdogSignal=) and Restart= brings it back.
+# The daemon pings WATCHDOG=1 as prefill and decode make progress (per layer step), not from a free-running thread,
+# so a hung CUDA call or I/O stall trips it while a long prefill does not: systemd then sends SIGABRT
+# (WatchdogSignal=) and Restart= brings it back.
 WatchdogSec=30s
 TimeoutStopSec=30s
 # on-failure covers unclean exits, signals, start timeouts and the watchdog (on-watchdog covers only the last).
@@ -162,10 +163,14 @@ IOWeight=200
 
 # Directories systemd creates, owned by User=, writable even under ProtectSystem=strict:
 #   /run/vismmoe-edge (the Unix socket), /var/lib/vismmoe-edge (home, models), /var/cache/vismmoe-edge.
+# If one exists with another owner, systemd chowns it recursively to User= at start (models placed there included).
 RuntimeDirectory=vismmoe-edge
 StateDirectory=vismmoe-edge
 CacheDirectory=vismmoe-edge
-UMask=0027
+# Socket clients need write permission on the socket: they join group vismmoe (usermod -aG vismmoe USER);
+# others cannot reach /run/vismmoe-edge at all.
+RuntimeDirectoryMode=0750
+UMask=0007
 
 # Hardening that leaves mmap, mlock and CUDA working.
 NoNewPrivileges=yes
@@ -230,13 +235,14 @@ def _systemd_quote(word: str) -> str:
 
 
 def exec_start(config: ServiceConfig) -> str:
-    words = [_systemd_quote(w) for w in config.exec_prefix] + ["serve"]
+    """The ExecStart= value, one option per continuation line."""
+    parts = [" ".join([_systemd_quote(w) for w in config.exec_prefix] + ["serve"])]
     for setting in SERVE_SETTINGS:
         if setting.var == "VISMMOE_EDGE_MODEL" and config.model is None:
             continue  # no --model: serve loads the demo model
-        words += [setting.flag, "${" + setting.var + "}"]
-    words.append("$VISMMOE_EDGE_EXTRA_ARGS")  # unbraced: split into words, nothing when empty
-    return " ".join(words)
+        parts.append(f"{setting.flag} ${{{setting.var}}}")
+    parts.append("$VISMMOE_EDGE_EXTRA_ARGS")  # unbraced: split into words, nothing when empty
+    return " \\\n    ".join(parts)
 
 
 def render_unit(config: ServiceConfig | None = None) -> str:
