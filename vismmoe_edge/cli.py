@@ -94,7 +94,9 @@ def run(
                 images = [ensure_sample_image()]
         from vismmoe_edge.loader import load
 
-        memory_budget, pinned_layers, tier = apply_plan(model, profile, memory_budget, pinned_layers, tier, device)
+        memory_budget, pinned_layers, tier, plan_note = apply_plan(
+            model, profile, memory_budget, pinned_layers, tier, device
+        )
         engine = load(
             model,
             memory_budget=memory_budget,
@@ -105,6 +107,8 @@ def run(
             predictor=predictor,
             policy=policy,
         )
+        if plan_note:
+            typer.echo(plan_note, err=True)
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
@@ -150,10 +154,13 @@ def run(
 
 def apply_plan(
     model: Path | None, profile: str, memory_budget: str, pinned_layers: int | None, tier: str, device: str
-) -> tuple[str, int, str]:
-    """Fill what the user left to the planner ("auto" budget, no --pinned-layers, "auto" tier) from the plan."""
+) -> tuple[str, int, str, str]:
+    """Fill what the user left to the planner ("auto" budget, no --pinned-layers, "auto" tier) from the plan.
+
+    Returns the options and a one-line note saying where they came from (empty when nothing was planned).
+    """
     if memory_budget != "auto" and pinned_layers is not None and tier != "auto":
-        return memory_budget, pinned_layers, tier
+        return memory_budget, pinned_layers, tier, ""
     from vismmoe_edge.plan import make_plan
     from vismmoe_edge.profile_match import select_profile
 
@@ -167,12 +174,11 @@ def apply_plan(
     memory_budget = planned["memory_budget"] if memory_budget == "auto" else memory_budget
     pinned_layers = planned["pinned_layers"] if pinned_layers is None else pinned_layers
     tier = planned["tier"] if tier == "auto" else tier
-    typer.echo(
+    note = (
         f"[plan: profile {chosen.name}: {pinned_layers} pinned layers, expert budget {memory_budget} B, tier {tier}; "
-        "`vismmoe-edge plan` says why]",
-        err=True,
+        "`vismmoe-edge plan` says why]"
     )
-    return memory_budget, pinned_layers, tier
+    return memory_budget, pinned_layers, tier, note
 
 
 @app.command()
@@ -205,9 +211,11 @@ def doctor() -> None:
 def _register_commands() -> None:
     from vismmoe_edge.bench import bench_command
     from vismmoe_edge.plan import plan_command
+    from vismmoe_edge.server import serve_command
 
     app.command("bench")(bench_command)
     app.command("plan")(plan_command)
+    app.command("serve")(serve_command)
 
 
 _register_commands()

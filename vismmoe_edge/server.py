@@ -13,8 +13,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import hashlib
-import importlib.util
 import io
 import json
 import logging
@@ -181,7 +179,7 @@ def parse_chat_request(body: object, limits: Limits, image_dir: Path | None) -> 
         raise bad_request("tools and function calling are not supported", "tools")
     if body.get("logprobs"):
         raise bad_request("logprobs are not supported", "logprobs")
-    stream = body.get("stream", False)
+    stream = body.get("stream") or False  # null means the default, as for every other field
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
     options = body.get("stream_options") or {}
@@ -382,7 +380,7 @@ class Job:
         self.deadline = deadline  # time.monotonic()
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.cancel_reason: str | None = None
-        self._state = "queued"  # -> running, or -> abandoned (never started)
+        self._state = "queued"  # -> running -> done, or -> abandoned (never started)
         self._lock = threading.Lock()
         self._on_cancel = on_cancel
 
@@ -396,10 +394,14 @@ class Job:
             self._state = "running"
             return True
 
+    def finish(self) -> None:
+        with self._lock:
+            self._state = "done"
+
     def cancel(self, reason: str) -> bool:
         """Ask the worker to stop (between tokens), or drop the job if it has not started. True the first time."""
         with self._lock:
-            if self.cancel_reason is not None:
+            if self.cancel_reason is not None or self._state == "done":
                 return False
             self.cancel_reason = reason
             if self._state == "queued":
@@ -429,6 +431,7 @@ class Metrics:
         self.last_prefill_s = 0.0
         self.expert = {"hits": 0, "misses": 0, "bytes_read": 0, "stall_s": 0.0}
         self.reloads = 0
+        self.plan_differs = False  # the last SIGHUP re-plan disagreed with what is loaded
         self.completed = 0
         self.mean_request_s = 0.0  # exponential average: Retry-After estimates
 
@@ -481,6 +484,17 @@ def process_rss_bytes() -> int:
         return 0
 
 
+def rss_anon_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -512,6 +526,16 @@ class Heartbeat:
             sdnotify.watchdog()
 
 
+def install_progress_pings(engine: Any, heartbeat: Heartbeat) -> None:
+    """Ping (rate-limited) as each decoder layer and vision block returns, so a long prefill counts as progress
+    while a hung kernel or read does not: a forward hook runs only once its layer has finished."""
+    inner = getattr(getattr(engine, "model", None), "model", None)
+    modules = list(getattr(getattr(inner, "language_model", None), "layers", None) or [])
+    modules += list(getattr(getattr(inner, "visual", None), "blocks", None) or [])
+    for module in modules:
+        module.register_forward_hook(lambda *_: heartbeat.beat())
+
+
 class Worker:
     """The only thread that touches the Engine: takes jobs in FIFO order and generates their replies."""
 
@@ -521,6 +545,8 @@ class Worker:
         self.metrics = metrics
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=limits.max_queue)
         self.heartbeat = Heartbeat(sdnotify.watchdog_interval())
+        if self.heartbeat.interval_s is not None:
+            install_progress_pings(engine, self.heartbeat)
         self.tick_s = min(0.5, self.heartbeat.interval_s / 2) if self.heartbeat.interval_s else 0.5
         self.max_positions = int(getattr(engine.text_config, "max_position_embeddings", 0) or 0)
         self.pending = 0  # queued + running: drained when 0
@@ -595,6 +621,8 @@ class Worker:
             job.emit("started")
             completion = self.generate(job, inputs)
             self.metrics.record_generation(completion, time.monotonic() - start)
+            if job.cancel_reason is not None:
+                log.info("%s: cancelled (%s) after %d tokens", job.id, job.cancel_reason, completion.completion_tokens)
             job.emit("done", completion)
         except ApiError as e:
             job.emit("error", e)
@@ -602,6 +630,7 @@ class Worker:
             log.exception("request %s failed", job.id)
             job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
+            job.finish()  # a client leaving after this point cancels nothing
             self.running = None
 
     def encode(self, request: ChatRequest) -> PromptInputs:
@@ -710,14 +739,14 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     unix_socket: Path | None = None
-    memory_budget: str = "100%"
-    pinned_layers: int = 0
+    memory_budget: str = "auto"  # auto, and pinned_layers None, and tier auto: the planner's
+    pinned_layers: int | None = None
     device: str = "auto"
     dtype: str = "auto"
     tier: str = "auto"
     predictor: str = "none"
     policy: str = "lru"
-    profile: str | None = None
+    profile: str = "auto"
     image_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
     drain_timeout_s: float = 30.0
@@ -730,12 +759,13 @@ class Service:
         self.limits = options.limits
         self.image_dir = options.image_dir.resolve() if options.image_dir else None
         self.metrics = Metrics()
-        self.state = "loading"  # -> ok -> draining
+        self.state = "loading"  # -> ok -> draining; "stopped" if loading failed
         self.engine: Engine | None = None
         self.worker: Worker | None = None
         self.model_id = options.model_id or ""
         self.started = time.time()
-        self.profile_digest: str | None = None
+        self.profile_name: str | None = None  # the planner's choice, when it was asked
+        self.settings: dict[str, Any] = {}  # what the engine was loaded with
         self.handlers = 0  # chat-completion handlers still answering: drained before exit
         self.handlers_lock = threading.Lock()
 
@@ -744,20 +774,79 @@ class Service:
         from vismmoe_edge.loader import load
 
         o = self.options
+        self.settings = self.plan_settings(replan=False)
         self.engine = load(
-            o.model,
-            memory_budget=o.memory_budget,
-            pinned_layers=o.pinned_layers,
-            device=o.device,
-            dtype=o.dtype,
-            tier=o.tier,
-            predictor=o.predictor,
-            policy=o.policy,
+            o.model, device=o.device, dtype=o.dtype, predictor=o.predictor, policy=o.policy, **self.settings
         )
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
         self.worker.thread.start()
         self.state = "ok"
+
+    def plan_settings(self, replan: bool) -> dict[str, Any]:
+        """memory_budget, pinned_layers and tier, the planner filling what was left to it ("auto", no
+        --pinned-layers), as `vismmoe-edge run` does. On a re-plan the planner must not count our own memory."""
+        o = self.options
+        settings = {"memory_budget": o.memory_budget, "pinned_layers": o.pinned_layers, "tier": o.tier}
+        if not replan and "auto" not in (o.memory_budget, o.tier) and o.pinned_layers is not None:
+            return settings  # nothing left to the planner
+        from vismmoe_edge.plan import make_plan
+        from vismmoe_edge.profile_match import select_profile
+
+        model = o.model
+        if model is None:
+            from vismmoe_edge.demo import ensure_demo_model
+
+            model = ensure_demo_model()
+        chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
+        plan = make_plan(model, chosen, profile_reason=reason, **(self.memory_without_us() if replan else {}))
+        for warning in warnings + plan.warnings:
+            log.warning("plan: %s", warning)
+        planned = plan.load_kwargs()
+        for key, value in settings.items():
+            if value in ("auto", None):
+                settings[key] = planned[key]
+        self.profile_name = chosen.name
+        log.info(
+            "plan: profile %s (%s): %s pinned layers, expert budget %s B, tier %s",
+            chosen.name,
+            reason,
+            settings["pinned_layers"],
+            settings["memory_budget"],
+            settings["tier"],
+        )
+        return settings
+
+    def memory_without_us(self) -> dict[str, int]:
+        """What the planner would measure were this process not loaded: MemAvailable plus our anonymous memory,
+        free GPU memory plus what torch holds. Page-cache and mlocked pages are not corrected for."""
+        out: dict[str, int] = {}
+        if available := mem_available_bytes():
+            out["mem_available"] = available + rss_anon_bytes()
+        if self.engine is not None and self.engine.device.type == "cuda":
+            import torch
+
+            free, _total = torch.cuda.mem_get_info(self.engine.device)
+            out["gpu_free"] = int(free) + int(torch.cuda.memory_reserved(self.engine.device))
+        return out
+
+    def reload_profile(self) -> None:
+        """The SIGHUP hook: re-plan from --profile (auto follows a power-mode change) and compare with what is
+        loaded. Applying a different plan needs the engine rebuilt, which this does not do yet: it says so."""
+        try:
+            settings = self.plan_settings(replan=True)
+        except VismmoeError as e:
+            log.error("SIGHUP: cannot re-plan (%s); keeping the current settings", e)
+            return
+        changed = {k: (self.settings[k], v) for k, v in settings.items() if str(v) != str(self.settings[k])}
+        if changed:
+            text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+            log.warning("profile reloaded: the new plan differs (%s); restart the service to apply it", text)
+        else:
+            log.info("profile reloaded: the plan is unchanged")
+        with self.metrics.lock:
+            self.metrics.reloads += 1
+            self.metrics.plan_differs = bool(changed)
 
     def drain(self) -> None:
         """Refuse new work, let in-flight work finish for drain_timeout_s, then cancel what is left."""
@@ -779,36 +868,6 @@ class Service:
         end = time.monotonic() + 2  # let handlers write their final bytes
         while self.handlers and time.monotonic() < end:
             time.sleep(0.02)
-
-    def load_profile(self, reload: bool) -> None:
-        """SIGHUP hook: re-read the profile given at start. The planner (vismmoe_edge/plan.py) will act on it."""
-        name = self.options.profile
-        if name is None:
-            if reload:
-                log.info("SIGHUP: no --profile given, nothing to reload")
-            return
-        path = Path(name).expanduser()
-        if path.is_file():
-            try:
-                data = path.read_bytes()
-            except OSError as e:
-                log.error("profile %s: cannot read (%s); keeping the previous one", path, e.strerror)
-                return
-            self.profile_digest = hashlib.sha256(data).hexdigest()[:12]
-            log.info(
-                "profile %s %s (%d bytes, sha256 %s)",
-                path,
-                "reloaded" if reload else "read",
-                len(data),
-                self.profile_digest,
-            )
-        else:
-            log.info("profile %r %s (a name: no file to read)", name, "reloaded" if reload else "selected")
-        if importlib.util.find_spec("vismmoe_edge.plan") is not None:
-            log.info("vismmoe_edge.plan exists but is not wired into the server yet; profile logged only")
-        if reload:
-            with self.metrics.lock:
-                self.metrics.reloads += 1
 
     # -- request side (handler threads) --
     def submit(self, request: ChatRequest, arrival: float) -> Job:
@@ -833,6 +892,7 @@ class Service:
         return {
             "status": self.state,
             "model": self.model_id or None,
+            "profile": self.profile_name,
             "queue_depth": worker.jobs.qsize() if worker else 0,
             "in_flight": 1 if worker and worker.running else 0,
             "uptime_s": round(time.time() - self.started, 3),
@@ -916,6 +976,12 @@ class Service:
                     [({}, 1 if worker and worker.running else 0)],
                 ),
                 ("vismmoe_profile_reloads_total", "counter", "SIGHUP profile reloads", [({}, m.reloads)]),
+                (
+                    "vismmoe_plan_differs",
+                    "gauge",
+                    "1 if the last SIGHUP re-plan differs from the loaded settings (restart to apply)",
+                    [({}, 1.0 if m.plan_differs else 0.0)],
+                ),
             ]
         samples += [
             ("process_resident_memory_bytes", "gauge", "resident set size", [({}, process_rss_bytes())]),
@@ -1081,10 +1147,16 @@ class Handler(BaseHTTPRequestHandler):
             raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
 
     def client_gone(self) -> bool:
-        """The peer closed its end: readable with nothing to read."""
+        """The peer closed its end: readable with nothing to read (poll: select() fails above fd 1023)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN | select.POLLERR | select.POLLHUP)
+            events = poller.poll(0)
+            if not events:
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                return True
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
 
@@ -1240,6 +1312,16 @@ def remove_stale_socket(path: Path) -> None:
     raise VismmoeError(f"--unix-socket {path}: another server is listening there")
 
 
+def parse_listen(text: str) -> tuple[str, int, Path | None]:
+    """--listen unix:PATH | HOST:PORT | [V6]:PORT -> (host, port, unix socket path)."""
+    if text.startswith("unix:"):
+        return "127.0.0.1", 0, Path(text.removeprefix("unix:"))
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdigit() or not host or int(port) > 65535:
+        raise VismmoeError(f"--listen {text!r}: use unix:PATH or HOST:PORT (127.0.0.1:8080, [::1]:8080)")
+    return host.removeprefix("[").removesuffix("]"), int(port), None
+
+
 def make_server(options: ServeOptions, service: Service) -> TCPServer | UnixServer:
     try:
         if options.unix_socket is not None:
@@ -1271,6 +1353,9 @@ class Signals:
         signal.signal(signal.SIGHUP, self.on_hangup)
 
     def on_terminate(self, signum: int, frame: object) -> None:
+        worker = self.service.worker
+        if self.terminate and worker is not None:
+            worker.cancel_all.set()  # a second SIGTERM/SIGINT: cancel now instead of after --drain-timeout
         self.terminate = True
         if self.service.state == "loading":
             raise Terminate()
@@ -1280,35 +1365,47 @@ class Signals:
 
 
 def serve(options: ServeOptions) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status (2: a configuration error)."""
     service = Service(options)
+    signals = Signals(service)
+    signals.install()  # first: a SIGTERM during start-up must still exit 0
+    httpd: TCPServer | UnixServer | None = None
+    try:
+        httpd = start_http(options, service)
+        sdnotify.extend_timeout(int(options.load_timeout_s * 1e6))
+        sdnotify.status("loading the model")
+        service.load()
+    except Terminate:
+        service.state = "stopped"  # a second signal must not raise Terminate again
+        log.info("terminated while loading")
+        sdnotify.stopping()
+        stop_http(httpd)
+        return 0
+    except VismmoeError as e:  # a bad model path, option, profile or address: restarting cannot fix it
+        service.state = "stopped"
+        log.error("cannot start: %s", e)
+        sdnotify.status(f"failed: {e}")
+        stop_http(httpd)
+        return 2
+    sdnotify.ready(f"serving 0 requests, model {service.model_id}")
+    log.info("ready: model %s on %s", service.model_id, httpd.url())
+    return main_loop(service, httpd, signals)
+
+
+def start_http(options: ServeOptions, service: Service) -> TCPServer | UnixServer:
+    """Listen before loading: /health answers "loading", and a taken port fails before a long load."""
     httpd = make_server(options, service)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True).start()
     if options.unix_socket is None and options.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("listening on %s without authentication: anyone who can reach it can use the model", options.host)
     log.info("listening on %s; loading the model", httpd.url())
-    signals = Signals(service)
-    signals.install()
-    try:
-        service.load_profile(reload=False)
-        sdnotify.extend_timeout(int(options.load_timeout_s * 1e6))
-        sdnotify.status("loading the model")
-        service.load()
-    except Terminate:
-        log.info("terminated while loading")
-        sdnotify.stopping()
+    return httpd
+
+
+def stop_http(httpd: TCPServer | UnixServer | None) -> None:
+    if httpd is not None:
         httpd.shutdown()
         httpd.server_close()
-        return 0
-    except VismmoeError as e:
-        log.error("cannot load the model: %s", e)
-        sdnotify.status(f"failed: {e}")
-        httpd.shutdown()
-        httpd.server_close()
-        return 1
-    sdnotify.ready(f"serving 0 requests, model {service.model_id}")
-    log.info("ready: model %s on %s", service.model_id, httpd.url())
-    return main_loop(service, httpd, signals)
 
 
 def main_loop(service: Service, httpd: TCPServer | UnixServer, signals: Signals) -> int:
@@ -1317,7 +1414,7 @@ def main_loop(service: Service, httpd: TCPServer | UnixServer, signals: Signals)
         if signals.reload:
             signals.reload = False
             sdnotify.reloading()
-            service.load_profile(reload=True)
+            service.reload_profile()
             sdnotify.ready("reloaded the profile")
             if service.worker is not None:
                 service.worker.update_status()
@@ -1325,8 +1422,7 @@ def main_loop(service: Service, httpd: TCPServer | UnixServer, signals: Signals)
     sdnotify.stopping()
     sdnotify.status("draining")
     service.drain()
-    httpd.shutdown()
-    httpd.server_close()
+    stop_http(httpd)
     log.info("stopped")
     return 0
 
@@ -1346,26 +1442,37 @@ def serve_command(
     unix_socket: Annotated[
         Path | None, typer.Option("--unix-socket", help="listen on this Unix socket instead of TCP")
     ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
+    ] = None,
     memory_budget: Annotated[
-        str, typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share (40%)")
-    ] = "100%",
+        str,
+        typer.Option(
+            "--memory-budget", help="expert bytes kept in memory: a size (2GiB), a share (40%), or auto (plan)"
+        ),
+    ] = "auto",
     pinned_layers: Annotated[
-        int, typer.Option("--pinned-layers", min=0, help="first N MoE layers keep every expert resident")
-    ] = 0,
+        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: plan's")
+    ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")] = "auto",
-    tier: Annotated[str, typer.Option("--tier", help="cache slots: auto, host, gpu, unified, mmap")] = "auto",
+    tier: Annotated[str, typer.Option("--tier", help="cache: auto (the plan's), host, gpu, unified, mmap")] = "auto",
     predictor: Annotated[
         str, typer.Option("--predictor", help="prefetch driver: none, next-layer-gate, previous-token")
     ] = "none",
     policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
-    profile: Annotated[str | None, typer.Option("--profile", help="profile name or file; SIGHUP re-reads it")] = None,
+    profile: Annotated[
+        str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
+    ] = "auto",
     image_dir: Annotated[
         Path | None, typer.Option("--image-dir", help="local image paths must lie under this directory")
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting; more get 429")] = 8,
     max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 4096,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="cap on max_tokens, and its default")] = 512,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "--max-new-tokens", min=1, help="cap on a reply's tokens, and the default")
+    ] = 512,
     max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="per image, e.g. 20MiB")] = "20MiB",
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1)] = 4096 * 4096,
     max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
@@ -1396,6 +1503,8 @@ def serve_command(
             max_queue=max_queue,
             request_timeout_s=request_timeout,
         )
+        if listen is not None:
+            host, port, unix_socket = parse_listen(listen)
         options = ServeOptions(
             model=model,
             model_id=model_id,

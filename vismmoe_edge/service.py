@@ -59,16 +59,16 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
     ServeSetting(
         "VISMMOE_EDGE_MEMORY_BUDGET",
         "--memory-budget",
-        "40%",
-        "Expert bytes kept in memory: a size (6GiB) or a share of all routed-expert bytes (40%).\n"
-        "Keep budget + dense weights + KV cache + ~1 GiB runtime below MemoryHigh= in the unit.",
+        "auto",
+        "Expert bytes kept in memory: auto (the plan for this board and profile), a size (6GiB) or a share of\n"
+        "all routed-expert bytes (40%). Keep budget + dense weights + KV cache + ~1 GiB below MemoryHigh=.\n"
+        "The pinned prefix follows the plan; override it with --pinned-layers N in VISMMOE_EDGE_EXTRA_ARGS.",
     ),
-    ServeSetting("VISMMOE_EDGE_PINNED_LAYERS", "--pinned-layers", "0", "First N MoE layers keep all experts resident."),
     ServeSetting(
         "VISMMOE_EDGE_TIER",
         "--tier",
         "auto",
-        "Cache slots: auto, host, gpu, unified (the page cache; the usual choice on a Jetson).",
+        "Cache slots: auto (the plan's), host, gpu, unified (the page cache), mmap.",
     ),
     ServeSetting("VISMMOE_EDGE_PREDICTOR", "--predictor", "none", "Prefetch: none, next-layer-gate, previous-token."),
     ServeSetting("VISMMOE_EDGE_POLICY", "--policy", "lru", "Eviction: lru or popularity."),
@@ -76,8 +76,8 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
         "VISMMOE_EDGE_PROFILE",
         "--profile",
         "auto",
-        "Power profile: auto keys it by this board's nvpmodel conf and current mode (jetson.md §3).\n"
-        "The daemon never switches power modes itself.",
+        "Board/power-mode profile for the plan: a name, or auto (this board's nvpmodel conf and current mode).\n"
+        "The daemon never switches power modes; after an nvpmodel change, systemctl reload re-plans (SIGHUP).",
     ),
     ServeSetting(
         "VISMMOE_EDGE_LISTEN",
@@ -86,8 +86,9 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
         "Where the API listens: unix:PATH (PATH under /run/vismmoe-edge, the RuntimeDirectory) or HOST:PORT,\n"
         "e.g. 127.0.0.1:8080, or 0.0.0.0:8080 to serve the robot's network.",
     ),
-    ServeSetting("VISMMOE_EDGE_MAX_NEW_TOKENS", "--max-new-tokens", "256", "Request limit: tokens per reply."),
-    ServeSetting("VISMMOE_EDGE_MAX_IMAGES", "--max-images", "4", "Request limit: images per request."),
+    ServeSetting("VISMMOE_EDGE_MAX_NEW_TOKENS", "--max-new-tokens", "512", "Request limit: tokens per reply."),
+    ServeSetting("VISMMOE_EDGE_MAX_IMAGES", "--max-images", "8", "Request limit: images per request."),
+    ServeSetting("VISMMOE_EDGE_MAX_QUEUE", "--max-queue", "8", "Request limit: requests waiting; more get HTTP 429."),
 )
 
 # Plain environment for the daemon (not options).
@@ -97,7 +98,12 @@ EXTRA_ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("HF_HUB_OFFLINE", "1", "Robots are often offline: never wait on the Hub; the model is local."),
     ("PYTHONUNBUFFERED", "1", "Log lines reach the journal as they are written."),
     ("PYTHONFAULTHANDLER", "1", "A watchdog SIGABRT dumps every thread's Python stack to the journal."),
-    ("VISMMOE_EDGE_EXTRA_ARGS", "", "More `serve` options, split on spaces (ExecStart uses $VAR, not ${VAR})."),
+    (
+        "VISMMOE_EDGE_EXTRA_ARGS",
+        "",
+        "More `serve` options, split on spaces (ExecStart uses $VAR, not ${VAR}), e.g.\n"
+        "--pinned-layers 4 --image-dir /var/lib/robot/frames --drain-timeout 30 --load-timeout 600",
+    ),
 )
 
 UNIT_TEMPLATE = """\
@@ -121,14 +127,17 @@ Type=notify
 NotifyAccess=main
 EnvironmentFile=@ENV_FILE@
 ExecStart=@EXEC_START@
-# Loading validates and maps shards (minutes from an SD card or a cold NVMe). The daemon also sends
-# EXTEND_TIMEOUT_USEC while it loads, which extends past this limit, so a hang still fails eventually.
+# Loading validates and maps shards (minutes from an SD card or a cold NVMe). The daemon also asks for
+# EXTEND_TIMEOUT_USEC (serve --load-timeout, 600 s by default) as it starts loading; past both, start fails.
 TimeoutStartSec=10min
+# SIGHUP re-plans from --profile (e.g. after an nvpmodel change); the daemon reports RELOADING=1, then READY=1.
+ExecReload=/bin/kill -HUP $MAINPID
 # The daemon pings WATCHDOG=1 as prefill and decode make progress (per layer step), not from a free-running thread,
 # so a hung CUDA call or I/O stall trips it while a long prefill does not: systemd then sends SIGABRT
 # (WatchdogSignal=) and Restart= brings it back.
 WatchdogSec=30s
-TimeoutStopSec=30s
+# SIGTERM drains in-flight requests for serve --drain-timeout (30 s by default): give it that plus the shutdown.
+TimeoutStopSec=45s
 # on-failure covers unclean exits, signals, start timeouts and the watchdog (on-watchdog covers only the last).
 Restart=on-failure
 RestartSec=5s
@@ -282,9 +291,9 @@ def render_env(config: ServiceConfig | None = None) -> str:
             lines.append(f"{setting.var}={value}")
         lines.append("")
     lines.append("# Process environment")
-    for var, value, comment in EXTRA_ENVIRONMENT:
+    for var, default, comment in EXTRA_ENVIRONMENT:
         lines.append(_comment(comment))
-        lines.append(f"{var}={value}")
+        lines.append(f"{var}={config.values.get(var, default)}")
     return "\n".join(lines) + "\n"
 
 
@@ -451,9 +460,13 @@ def install_service_command(
         Path | None,
         typer.Option("--model", help="model directory the daemon serves; omit for the built-in (random) demo model"),
     ] = None,
-    memory_budget: Annotated[str, typer.Option("--memory-budget", help="expert bytes in memory: 6GiB or 40%")] = "40%",
-    pinned_layers: Annotated[int, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident")] = 0,
-    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu or unified")] = "auto",
+    memory_budget: Annotated[
+        str, typer.Option("--memory-budget", help="expert bytes in memory: auto (plan), 6GiB or 40%")
+    ] = "auto",
+    pinned_layers: Annotated[
+        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
+    ] = None,
+    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
     predictor: Annotated[str, typer.Option("--predictor", help="none, next-layer-gate, previous-token")] = "none",
     policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
     profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
@@ -470,13 +483,14 @@ def install_service_command(
     """Install the systemd unit (Type=notify, watchdog, hardening) and its environment file for this venv."""
     settings = {
         "VISMMOE_EDGE_MEMORY_BUDGET": memory_budget,
-        "VISMMOE_EDGE_PINNED_LAYERS": str(pinned_layers),
         "VISMMOE_EDGE_TIER": tier,
         "VISMMOE_EDGE_PREDICTOR": predictor,
         "VISMMOE_EDGE_POLICY": policy,
         "VISMMOE_EDGE_PROFILE": profile,
         "VISMMOE_EDGE_LISTEN": listen,
     }
+    if pinned_layers is not None:  # omitted from the unit otherwise: serve then takes the plan's
+        settings["VISMMOE_EDGE_EXTRA_ARGS"] = f"--pinned-layers {pinned_layers}"
     try:
         result = install_service(
             model=model, dest=dest, user=user, group=group, settings=settings, force=force, dry_run=dry_run

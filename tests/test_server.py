@@ -1,0 +1,594 @@
+"""`vismmoe-edge serve` over real HTTP: a server subprocess with the demo model, on TCP and on a Unix socket."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vismmoe_edge.server import StopMatcher
+
+REPO = Path(__file__).resolve().parents[1]
+LONG = 3000  # tokens: a generation that outlasts any test step (the demo decodes ~100 tok/s here)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+
+class NotifyListener:
+    """Plays systemd's end of $NOTIFY_SOCKET: collects the datagrams the server sends."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
+        self.sock.settimeout(0.1)
+        self.messages: list[str] = []
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while not self.closed:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def lines(self) -> list[str]:
+        return [line for message in list(self.messages) for line in message.split("\n")]
+
+    def wait_for(self, line: str, timeout: float = 5.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if line in self.lines():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class Server:
+    """A `python -m vismmoe_edge.server` subprocess; its log goes to a file (a full pipe would block it)."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], unix_socket: Path | None = None):
+        self.log_path = log_path
+        self.unix_socket = unix_socket
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vismmoe_edge.server", *args], stdout=log, stderr=log, env=full_env, cwd=REPO
+            )
+        self.port = 0
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = self.log()
+            if " ready: " in text:
+                if self.unix_socket is None:
+                    self.port = int(text.split("ready: ", 1)[1].split("127.0.0.1:", 1)[1].split()[0])
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"the server did not become ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def connection(self, timeout: float = 60.0) -> http.client.HTTPConnection:
+        if self.unix_socket is not None:
+            return UnixHTTPConnection(str(self.unix_socket), timeout)
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def raw_socket(self) -> socket.socket:
+        if self.unix_socket is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(self.unix_socket))
+        else:
+            sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.settimeout(30)
+        return sock
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], Any]:
+        conn = self.connection()
+        try:
+            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            ctype = resp.getheader("Content-Type", "")
+            return resp.status, dict(resp.getheaders()), json.loads(raw) if "json" in ctype else raw.decode()
+        finally:
+            conn.close()
+
+    def chat(self, body: dict[str, Any]) -> tuple[int, Any]:
+        status, _, payload = self.request("POST", "/v1/chat/completions", body)
+        return status, payload
+
+    def metrics(self) -> dict[str, float]:
+        status, _, text = self.request("GET", "/metrics")
+        assert status == 200
+        return parse_prometheus(text)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """{'name{labels}': value} from the text format; every sample line must parse."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            assert line.startswith(("# HELP ", "# TYPE ")) or not line, line
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+def iter_sse(resp: http.client.HTTPResponse) -> Iterator[Any]:
+    """Parsed `data:` payloads of a server-sent event stream; "[DONE]" as a string."""
+    for raw in iter(resp.readline, b""):
+        line = raw.decode().rstrip("\n")
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+
+
+def open_stream(server: Server, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = server.connection()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert resp.getheader("Content-Type") == "text/event-stream"
+    return conn, resp
+
+
+def start_raw_stream(server: Server, body: dict[str, Any]) -> socket.socket:
+    """A streaming request on a bare socket, returned once the first content delta has arrived."""
+    sock = server.raw_socket()
+    data = json.dumps({**body, "stream": True}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    received = b""
+    while b'"delta": {"content"' not in received:
+        part = sock.recv(65536)
+        assert part, f"the stream ended early: {received!r}"
+        received += part
+    return sock
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def user(text: str, *images: str) -> list[dict[str, Any]]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def assert_error(status: int, payload: Any, expected: int, code: str | None = None) -> None:
+    assert status == expected, payload
+    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}, payload
+    assert payload["error"]["message"]
+    if code is not None:
+        assert payload["error"]["code"] == code, payload
+
+
+# ---- fixtures -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def notify_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifyListener]:
+    listener = NotifyListener(str(tmp_path_factory.mktemp("notify") / "n.sock"))
+    yield listener
+    listener.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, notify_a: NotifyListener) -> Iterator[Server]:
+    """The shared TCP server: small limits so that each one is easy to cross."""
+    root = tmp_path_factory.mktemp("server")
+    args = ["--port", "0", "--max-queue", "2", "--max-tokens", str(LONG), "--max-prompt-tokens", "300"]
+    args += ["--max-image-bytes", "100KiB", "--max-image-pixels", "1000000", "--max-body-bytes", "1MiB"]
+    args += ["--request-timeout", "60", "--drain-timeout", "5", "--profile", "auto"]
+    srv = Server(args, root / "server.log", {"NOTIFY_SOCKET": notify_a.address, "WATCHDOG_USEC": "1000000"})
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def big_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("big")
+    rng = random.Random(0)
+    noise = Image.frombytes("RGB", (200, 200), bytes(rng.getrandbits(8) for _ in range(200 * 200 * 3)))
+    noise.save(root / "noise.png")  # ~120 KB: over 100 KiB
+    Image.new("RGB", (1200, 1000), (10, 200, 10)).save(root / "wide.png")  # tiny file, 1.2 M pixels
+    return {"bytes": root / "noise.png", "pixels": root / "wide.png"}
+
+
+# ---- unit: stop strings -------------------------------------------------------------------------------
+
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopMatcher(["END", "xyz"])
+    assert m.push("hello E") == ("hello ", False)  # "E" may start "END"
+    assert m.push("N") == ("", False)
+    assert m.push("Dgone") == ("", True)
+    m = StopMatcher(["END"])
+    assert m.push("ab EN") == ("ab ", False)
+    assert m.push("x") == ("ENx", False)
+    assert m.flush() == ""
+    assert StopMatcher([]).push("abc") == ("abc", False)
+
+
+def test_sdnotify_outside_systemd_and_the_watchdog_interval(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from vismmoe_edge import sdnotify
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.ready("x") is False and sdnotify.watchdog() is False  # not under systemd: no-ops
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
+    assert sdnotify.status("x") is False  # a dead socket is logged, never raised
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert sdnotify.watchdog_interval() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))
+    assert sdnotify.watchdog_interval() is None  # meant for another process
+    monkeypatch.setenv("WATCHDOG_USEC", "0")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert sdnotify.watchdog_interval() is None
+
+
+# ---- the TCP server -----------------------------------------------------------------------------------
+
+
+def test_systemd_notifications(server: Server, notify_a: NotifyListener) -> None:
+    lines = notify_a.lines()
+    extend = [i for i, line in enumerate(lines) if line.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extend and "READY=1" in lines and extend[0] < lines.index("READY=1"), lines
+    assert notify_a.wait_for("WATCHDOG=1", timeout=3), lines
+    assert any(line.startswith("STATUS=serving") for line in notify_a.lines())
+
+
+def test_health_and_models(server: Server) -> None:
+    status, _, health = server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["model"] == "demo-random-v1"
+    status, _, models = server.request("GET", "/v1/models")
+    assert status == 200 and models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["demo-random-v1"]
+    assert server.request("GET", "/v1/models/demo-random-v1")[0] == 200
+    status, _, body = server.request("GET", "/nowhere")
+    assert_error(status, body, 404)
+
+
+def test_chat_with_images_as_path_file_url_and_data_url(server: Server, images: list[Path]) -> None:
+    urls = [str(images[0]), images[0].as_uri(), data_url(images[0])]
+    answers = []
+    for url in urls:
+        status, body = server.chat({"messages": user("Describe the image.", url), "max_tokens": 6})
+        assert status == 200, body
+        assert body["object"] == "chat.completion" and body["model"] == "demo-random-v1"
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert 1 <= usage["completion_tokens"] <= 6
+        answers.append((choice["message"]["content"], usage["prompt_tokens"]))
+    assert answers[0] == answers[1] == answers[2]  # the same image three ways, greedy decoding
+    status, text_only = server.chat({"messages": user("Describe the image."), "max_tokens": 6})
+    assert status == 200 and text_only["usage"]["prompt_tokens"] < answers[0][1]  # images add visual tokens
+
+
+def test_streaming_matches_non_streaming(server: Server, images: list[Path]) -> None:
+    body = {
+        "model": "demo-random-v1",
+        "messages": [{"role": "system", "content": "You are a helpful assistant."}, *user("Hello", str(images[1]))],
+        "max_tokens": 12,
+    }
+    status, whole = server.chat(body)
+    assert status == 200
+    conn, resp = open_stream(server, {**body, "stream_options": {"include_usage": True}})
+    events = list(iter_sse(resp))
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+
+
+def test_stop_string_cuts_the_reply(server: Server) -> None:
+    body = {"messages": user("Hello world"), "max_tokens": 24, "min_tokens": 24}
+    status, whole = server.chat(body)
+    text = whole["choices"][0]["message"]["content"]
+    if len(text) < 4:
+        pytest.skip(f"the demo model's reply {text!r} is too short to cut")
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    status, cut = server.chat({**body, "stop": [stop]})
+    assert status == 200
+    assert cut["choices"][0]["message"]["content"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_two_concurrent_clients(server: Server, images: list[Path]) -> None:
+    body = {"messages": user("What is in this picture?", data_url(images[0])), "max_tokens": 8}
+    results: list[tuple[int, Any]] = []
+    threads = [threading.Thread(target=lambda: results.append(server.chat(body))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [status for status, _ in results] == [200, 200]
+    assert results[0][1]["choices"][0]["message"] == results[1][1]["choices"][0]["message"]
+    assert results[0][1]["id"] != results[1][1]["id"]
+
+
+def test_limits_and_bad_requests_give_openai_errors(
+    server: Server, images: list[Path], big_images: dict[str, Path]
+) -> None:
+    ok = user("Hi")
+    assert_error(*server.chat({"messages": user("Hi", str(big_images["bytes"]))}), 400, "image_too_large")
+    assert_error(*server.chat({"messages": user("Hi", data_url(big_images["bytes"]))}), 400, "image_too_large")
+    assert_error(*server.chat({"messages": user("Hi", str(big_images["pixels"]))}), 400, "image_too_large")
+    assert_error(*server.chat({"messages": user("Hi", "/no/such/image.png")}), 400)
+    assert_error(*server.chat({"messages": user("Hi", "https://example.com/a.png")}), 400)
+    assert_error(*server.chat({"messages": user("word " * 400)}), 400, "context_length_exceeded")
+    status, body = server.chat({"messages": ok, "max_tokens": LONG + 1})
+    assert_error(status, body, 400)
+    assert body["error"]["param"] == "max_tokens"
+    assert_error(*server.chat({"messages": ok, "model": "gpt-4o"}), 404, "model_not_found")
+    assert_error(*server.chat({"messages": [{"role": "tool", "content": "x"}]}), 400)
+    assert_error(*server.chat({"messages": []}), 400)
+    assert_error(*server.chat({"messages": ok, "temperature": -1}), 400)
+    status, _, body = server.request("POST", "/v1/chat/completions", b'{"messages": [')
+    assert_error(status, body, 400, "invalid_json")
+    # 413 is decided on Content-Length alone, before a byte of the body is read
+    sock = server.raw_socket()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2000000\r\n\r\n")
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    assert_error(resp.status, json.loads(resp.read()), 413)
+    sock.close()
+    assert server.chat({"messages": ok, "max_tokens": 2})[0] == 200  # still serving
+
+
+def test_client_disconnect_cancels_generation(server: Server) -> None:
+    before = server.metrics()
+    long = {"messages": user("Hello"), "max_tokens": LONG, "min_tokens": LONG}
+    sock = start_raw_stream(server, long)
+    sock.close()
+    key = 'vismmoe_requests_cancelled_total{reason="client_disconnect"}'
+    assert wait_until(lambda: server.metrics()[key] == before[key] + 1, timeout=10), server.log()
+    # a non-streaming client that hangs up while it waits
+    sock = server.raw_socket()
+    data = json.dumps(long).encode()
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert wait_until(lambda: server.metrics()["vismmoe_requests_in_flight"] == 1, timeout=10)
+    sock.close()
+    assert wait_until(lambda: server.metrics()[key] == before[key] + 2, timeout=10), server.log()
+    assert server.metrics()['vismmoe_requests_total{status="499"}'] >= 1
+    assert wait_until(lambda: server.metrics()["vismmoe_requests_in_flight"] == 0, timeout=5)
+    after = server.metrics()
+    assert after["vismmoe_generated_tokens_total"] - before["vismmoe_generated_tokens_total"] < LONG
+    assert server.chat({"messages": user("Hi"), "max_tokens": 2})[0] == 200
+
+
+def test_full_queue_answers_429(server: Server) -> None:
+    running = start_raw_stream(server, {"messages": user("Hello"), "max_tokens": LONG, "min_tokens": LONG})
+    queued: list[tuple[int, Any]] = []
+    waiters = [
+        threading.Thread(target=lambda: queued.append(server.chat({"messages": user("Hi"), "max_tokens": 3})))
+        for _ in range(2)
+    ]
+    for waiter in waiters:
+        waiter.start()
+    assert wait_until(lambda: server.metrics()["vismmoe_queue_depth"] == 2, timeout=10)
+    status, headers, body = server.request("POST", "/v1/chat/completions", {"messages": user("Hi")})
+    assert_error(status, body, 429, "queue_full")
+    assert int(headers["Retry-After"]) >= 1
+    running.close()  # cancels the long generation, so the queued requests run
+    for waiter in waiters:
+        waiter.join(timeout=30)
+    assert [status for status, _ in queued] == [200, 200]
+    assert server.metrics()['vismmoe_requests_total{status="429"}'] >= 1
+
+
+def test_metrics_are_prometheus_text(server: Server) -> None:
+    assert server.chat({"messages": user("Hi"), "max_tokens": 4})[0] == 200
+    status, headers, text = server.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    m = parse_prometheus(text)
+    for name in (
+        "vismmoe_up",
+        "vismmoe_generated_tokens_total",
+        "vismmoe_decode_tokens_per_second",
+        "vismmoe_expert_hits_total",
+        "vismmoe_expert_misses_total",
+        "vismmoe_expert_hit_rate",
+        "vismmoe_expert_bytes_read_total",
+        "vismmoe_expert_stall_seconds_total",
+        "vismmoe_expert_resident_bytes",
+        "vismmoe_queue_depth",
+        "process_resident_memory_bytes",
+    ):
+        assert name in m, name
+    assert m["vismmoe_up"] == 1 and m['vismmoe_requests_total{status="200"}'] >= 1
+    assert m["vismmoe_generated_tokens_total"] >= 4 and m["vismmoe_decode_tokens_per_second"] > 0
+    assert m["vismmoe_expert_hits_total"] + m["vismmoe_expert_misses_total"] > 0
+    assert 0 <= m["vismmoe_expert_hit_rate"] <= 1 and m["process_resident_memory_bytes"] > 0
+    assert "# TYPE vismmoe_expert_bytes_read_total counter" in text
+
+
+def test_sighup_replans_from_the_profile(server: Server, notify_a: NotifyListener) -> None:
+    server.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: server.metrics()["vismmoe_profile_reloads_total"] == 1, timeout=10), server.log()
+    assert "profile reloaded" in server.log()
+    assert server.request("GET", "/health")[2]["profile"] == "cpu"  # no Jetson, no CUDA here
+    assert notify_a.wait_for("RELOADING=1")
+    assert server.chat({"messages": user("Hi"), "max_tokens": 2})[0] == 200
+
+
+def test_official_openai_client(server: Server, images: list[Path]) -> None:
+    try:
+        import openai
+    except ImportError:
+        pytest.skip("the openai package is not installed")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["demo-random-v1"]
+    messages = user("Describe the image.", data_url(images[0]))
+    reply = client.chat.completions.create(model="demo-random-v1", messages=messages, max_tokens=5)
+    streamed = client.chat.completions.create(model="demo-random-v1", messages=messages, max_tokens=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+
+
+# ---- the Unix-socket server: deadlines and SIGTERM ------------------------------------------------------
+
+
+def test_unix_socket_deadline_and_sigterm(tmp_path: Path) -> None:
+    notify = NotifyListener(f"@vismmoe-test-{uuid.uuid4().hex}")  # the abstract namespace
+    path = tmp_path / "s.sock"
+    args = ["--listen", f"unix:{path}", "--max-new-tokens", str(LONG), "--request-timeout", "3"]
+    args += ["--drain-timeout", "1", "--memory-budget", "100%", "--pinned-layers", "0", "--tier", "host"]
+    srv = Server(args, tmp_path / "server.log", {"NOTIFY_SOCKET": notify.address}, unix_socket=path)
+    try:
+        # it listens before it loads (torch alone takes seconds to import): "loading", and 503 to work
+        assert wait_until(lambda: "listening on unix:" in srv.log(), timeout=30), srv.log()
+        assert srv.request("GET", "/health")[2]["status"] == "loading"
+        assert_error(*srv.chat({"messages": user("Hi")}), 503, "loading")
+        srv.wait_ready()
+        assert notify.wait_for("READY=1")
+        assert srv.request("GET", "/health")[2]["status"] == "ok"
+        assert srv.chat({"messages": user("Hi"), "max_tokens": 3})[0] == 200
+
+        # a request past its deadline returns what it has, as "length"
+        start = time.monotonic()
+        status, body = srv.chat({"messages": user("Hello"), "max_tokens": LONG, "min_tokens": LONG})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert 1 <= body["usage"]["completion_tokens"] < LONG and time.monotonic() - start < 10
+        assert srv.metrics()['vismmoe_requests_cancelled_total{reason="deadline"}'] == 1
+
+        # SIGTERM mid-generation: refuse new work, cancel after --drain-timeout, exit 0
+        conn, resp = open_stream(srv, {"messages": user("Hello"), "max_tokens": LONG, "min_tokens": LONG})
+        events = iter_sse(resp)
+        while "content" not in next(events)["choices"][0]["delta"]:
+            pass  # wait for the first generated token
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: srv.request("GET", "/health")[2]["status"] == "draining", timeout=2)
+        assert_error(*srv.chat({"messages": user("Hi"), "max_tokens": 2}), 503, "draining")
+        rest = list(events)
+        conn.close()
+        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(timeout=15) == 0
+        assert time.monotonic() - start < 1 + 5
+        assert not path.exists()
+        assert "STOPPING=1" in notify.lines()
+    finally:
+        srv.stop()
+        notify.close()
+
+
+def test_sigterm_while_loading_and_a_failed_load(tmp_path: Path) -> None:
+    """Both in parallel: SIGTERM during the load exits 0; a model that cannot load exits 1 with the reason."""
+    loading = Server(["--port", "0"], tmp_path / "a.log", {})
+    broken = Server(["--port", "0", "--model", str(tmp_path / "missing")], tmp_path / "b.log", {})
+    try:
+        assert wait_until(lambda: "loading the model" in loading.log(), timeout=30), loading.log()
+        loading.proc.send_signal(signal.SIGTERM)
+        assert loading.proc.wait(timeout=15) == 0, loading.log()
+        assert "terminated while loading" in loading.log()
+        assert broken.proc.wait(timeout=30) == 2, broken.log()  # a configuration error: no restart
+        assert "cannot start: " in broken.log() and "missing" in broken.log()
+    finally:
+        loading.stop()
+        broken.stop()
+
+
+def test_worker_answers_504_to_a_job_past_its_deadline() -> None:
+    from types import SimpleNamespace
+
+    from vismmoe_edge.server import ChatRequest, Job, Limits, Metrics, Worker
+
+    engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
+    metrics = Metrics()
+    worker = Worker(engine, Limits(), metrics)  # type: ignore[arg-type]
+    job = Job(ChatRequest(messages=[], images=[], max_tokens=4), time.monotonic() - 1, metrics.record_cancel)
+    worker.process(job)
+    kind, error = job.events.get_nowait()
+    assert kind == "error" and error.status == 504 and error.body()["error"]["code"] == "timeout"
+    assert metrics.cancelled["deadline"] == 1
+
+
+def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
+    import typer
+    import typer.main
+
+    from vismmoe_edge.server import parse_listen, serve_command
+    from vismmoe_edge.service import SERVE_SETTINGS
+
+    app = typer.Typer()
+    app.command()(serve_command)
+    options = {name for param in typer.main.get_command(app).params for name in param.opts}
+    assert {s.flag for s in SERVE_SETTINGS} <= options
+    assert parse_listen("unix:/run/vismmoe-edge/api.sock") == ("127.0.0.1", 0, Path("/run/vismmoe-edge/api.sock"))
+    assert parse_listen("0.0.0.0:8080") == ("0.0.0.0", 8080, None)
+    assert parse_listen("[::1]:8080") == ("::1", 8080, None)
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    code = "import sys, vismmoe_edge.server; print('torch' in sys.modules or 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"
