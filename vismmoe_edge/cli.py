@@ -107,8 +107,6 @@ def run(
             predictor=predictor,
             policy=policy,
         )
-        if plan_note:
-            typer.echo(plan_note, err=True)
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
@@ -125,6 +123,8 @@ def run(
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
 
+    if plan_note:  # after the run, so that a failing run still prints exactly one line
+        typer.echo(("" if as_json else "\n") + plan_note, err=True)
     if as_json:
         typer.echo(json.dumps(result.as_dict()))
         return
@@ -171,6 +171,13 @@ def apply_plan(
     chosen, reason, _ = select_profile(profile, cuda_available=False if device == "cpu" else None)
     plan = make_plan(model, chosen, profile_reason=reason)
     planned = plan.load_kwargs()
+    if pinned_layers is None and memory_budget != "auto":
+        # the user fixed the budget: pin no deeper than fits in it with room left for one streamed expert
+        from vismmoe_edge.config import parse_budget
+
+        budget = parse_budget(memory_budget, plan.s_layer_bytes * plan.moe_layers)
+        fits = max(0, (budget - plan.bytes_per_expert) // plan.s_layer_bytes)
+        pinned_layers = min(planned["pinned_layers"], fits)
     memory_budget = planned["memory_budget"] if memory_budget == "auto" else memory_budget
     pinned_layers = planned["pinned_layers"] if pinned_layers is None else pinned_layers
     tier = planned["tier"] if tier == "auto" else tier
