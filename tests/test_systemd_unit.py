@@ -45,7 +45,8 @@ def assert_clean(unit: Path) -> None:
 
 
 def exec_start(unit_text: str) -> str:
-    return re.search(r"^ExecStart=(.*)$", unit_text, re.MULTILINE)[1]
+    """ExecStart's value with its continuation lines joined."""
+    return " ".join(re.search(r"^ExecStart=(.*)$", unit_text.replace("\\\n", " "), re.MULTILINE)[1].split())
 
 
 def test_shipped_files_match_the_template() -> None:
@@ -60,6 +61,8 @@ def test_unit_has_the_conventions() -> None:
         "NotifyAccess=main",
         "WatchdogSec=30s",
         "Restart=on-failure",
+        "RestartPreventExitStatus=2",
+        "ExecReload=/bin/kill -HUP $MAINPID",
         "LimitMEMLOCK=infinity",
         "SupplementaryGroups=video jtop",
         "User=vismmoe",
@@ -151,6 +154,37 @@ def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "etc").exists()
 
 
+def test_pinned_layers_go_to_extra_args_only_when_given(tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.command("install-service")(service.install_service_command)
+    app.command("noop")(lambda: None)
+    plain = CliRunner().invoke(app, ["install-service", "--dry-run"])
+    pinned = CliRunner().invoke(app, ["install-service", "--dry-run", "--pinned-layers", "4"])
+    assert "VISMMOE_EDGE_EXTRA_ARGS=\n" in plain.output  # serve takes the plan's pinned prefix
+    assert "VISMMOE_EDGE_EXTRA_ARGS=--pinned-layers 4\n" in pinned.output
+
+
 def test_exec_start_quotes_paths_with_spaces() -> None:
     config = service.ServiceConfig(exec_prefix=["/opt/my venv/bin/vismmoe-edge"])
-    assert service.exec_start(config).startswith('"/opt/my venv/bin/vismmoe-edge" serve ')
+    assert service.exec_start(config).startswith('"/opt/my venv/bin/vismmoe-edge" serve \\\n    --model ')
+
+
+def test_exec_start_parses_with_the_serve_command() -> None:
+    """The unit's argv, with the env file's values substituted, is accepted by `serve`'s own parser."""
+    server = pytest.importorskip("vismmoe_edge.server")
+    env = dict(re.findall(r"^([A-Z_]+)=(.*)$", service.render_env(), re.MULTILINE))
+    words = exec_start(service.render_unit()).split()[1:]  # drop the executable
+    assert words[0] == "serve"
+    args: list[str] = []
+    for word in words[1:]:
+        if braced := re.fullmatch(r"\$\{(\w+)\}", word):
+            args.append(env[braced[1]])  # ${VAR}: exactly one argument
+        elif bare := re.fullmatch(r"\$(\w+)", word):
+            args += env[bare[1]].split()  # $VAR: split on whitespace, none when empty
+        else:
+            args.append(word)
+    app = typer.Typer()
+    app.command()(server.serve_command)
+    context = typer.main.get_command(app).make_context("serve", args)  # parses and validates; runs nothing
+    assert context.params["listen"] == service.DEFAULT_LISTEN
+    assert str(context.params["model"]) == str(service.DEFAULT_MODEL)

@@ -218,11 +218,15 @@ def doctor() -> None:
 def _register_commands() -> None:
     from vismmoe_edge.bench import bench_command
     from vismmoe_edge.plan import plan_command
+    from vismmoe_edge.profiling import profile_command
     from vismmoe_edge.server import serve_command
+    from vismmoe_edge.service import install_service_command
 
-    app.command("bench")(bench_command)
     app.command("plan")(plan_command)
     app.command("serve")(serve_command)
+    app.command("install-service")(install_service_command)
+    app.command("profile")(profile_command)
+    app.command("bench")(bench_command)
 
 
 _register_commands()
