@@ -9,10 +9,10 @@ unchunked WILLNEED stops at max(read_ahead_kb, max_sectors_kb).
 from __future__ import annotations
 
 import os
-import warnings
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
