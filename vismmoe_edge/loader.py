@@ -12,6 +12,8 @@ from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, read_tensor_t
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.compute import Predictor
+from vismmoe_edge.experts.pipeline import POLICIES
 from vismmoe_edge.experts.runtime import attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
 from vismmoe_edge.models import qwen3_vl_moe
@@ -42,10 +44,9 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
 
 
 PREDICTORS = ("none", "next-layer-gate", "previous-token")
-POLICIES = ("lru", "popularity")
 
 
-def make_predictor(name: str, model: object, moe_layers: list[int]) -> object | None:
+def make_predictor(name: str, model: object, moe_layers: list[int]) -> Predictor | None:
     from vismmoe_edge.predict.simple import NextLayerGatePredictor, PreviousTokenPredictor
 
     if name not in PREDICTORS:
