@@ -80,20 +80,11 @@ class TokenClock:
         pass
 
 
-def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int) -> dict:
-    """Accelerate's big-model offload at `gpu_gib` of GPU memory; the rest of the layers stay in host RAM."""
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
+def hf_inputs(model_dir: Path, image: Path) -> dict[str, torch.Tensor]:
+    """The benchmark prompt as transformers' model takes it, on the GPU."""
     from vismmoe_edge.processor import load_processor
     from vismmoe_edge.prompt import encode_prompt, load_image
 
-    torch.backends.cuda.enable_cudnn_sdp(False)  # the same attention kernels as our engine uses (see engine.py)
-    start = time.perf_counter()
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: f"{gpu_gib}GiB", "cpu": "115GiB"}
-    ).eval()
-    load_s = time.perf_counter() - start
-    on_gpu = sum(1 for d in model.hf_device_map.values() if str(d) in ("0", "cuda:0"))
     inputs = encode_prompt(load_processor(model_dir), PROMPT, [load_image(image)])
     kwargs = {
         "input_ids": inputs.input_ids,
@@ -102,9 +93,13 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
         "image_grid_thw": inputs.image_grid_thw,
         "mm_token_type_ids": inputs.mm_token_type_ids,
     }
-    kwargs = {k: v.to("cuda:0") for k, v in kwargs.items()}
+    return {k: v.to("cuda") for k, v in kwargs.items()}
+
+
+def hf_sampled_run(model, kwargs: dict[str, torch.Tensor], new_tokens: int, seed: int) -> tuple[float, list[float]]:
+    """One sampled generate() of transformers' model: prefill seconds and the seconds of each decode step."""
     clock = TokenClock()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(
@@ -117,16 +112,31 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
             top_k=0,
             streamer=clock,
         )
-    times = [start, *clock.times[1:]]
-    steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+    times = [start, *clock.times[1:]]  # the streamer's first put() is the prompt
+    return times[1] - times[0], [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+
+
+def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int) -> dict:
+    """Accelerate's big-model offload at `gpu_gib` of GPU memory; the rest of the layers stay in host RAM."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # the same attention kernels as our engine uses (see engine.py)
+    start = time.perf_counter()
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: f"{gpu_gib}GiB", "cpu": "115GiB"}
+    ).eval()
+    load_s = time.perf_counter() - start
+    on_gpu = sum(1 for d in model.hf_device_map.values() if str(d) in ("0", "cuda:0"))
+    kwargs = hf_inputs(model_dir, image)
+    prefill_s, steps = hf_sampled_run(model, kwargs, new_tokens, seed=0)
     return {
         "strategy": "accelerate-offload",
         "load_s": load_s,
         "modules_on_gpu": on_gpu,
-        "prefill_s": times[1] - times[0],
+        "prefill_s": prefill_s,
         "decode_s_per_token": statistics.median(steps),
         "decode_tokens_per_s": 1 / statistics.median(steps),
-        "visual_tokens": int((inputs.input_ids == model.config.image_token_id).sum()),
+        "visual_tokens": int((kwargs["input_ids"] == model.config.image_token_id).sum()),
     }
 
 
@@ -134,39 +144,14 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
     """transformers' own model with every weight on the GPU: the ceiling any offloading runtime aims at."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from vismmoe_edge.processor import load_processor
-    from vismmoe_edge.prompt import encode_prompt, load_image
-
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
-    inputs = encode_prompt(load_processor(model_dir), PROMPT, [load_image(image)])
-    kwargs = {
-        "input_ids": inputs.input_ids,
-        "attention_mask": torch.ones_like(inputs.input_ids),
-        "pixel_values": inputs.pixel_values,
-        "image_grid_thw": inputs.image_grid_thw,
-        "mm_token_type_ids": inputs.mm_token_type_ids,
-    }
-    kwargs = {k: v.to("cuda") for k, v in kwargs.items()}
-    rates, prefills = [], []
+    kwargs = hf_inputs(model_dir, image)
+    prefills, rates = [], []
     for seed in range(3):
-        clock = TokenClock()
-        torch.manual_seed(seed)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                **kwargs,
-                max_new_tokens=new_tokens + 1,
-                min_new_tokens=new_tokens + 1,
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                streamer=clock,
-            )
-        times = [start, *clock.times[1:]]
-        prefills.append(times[1] - times[0])
-        rates.append(1 / statistics.median([b - a for a, b in zip(times[1:], times[2:], strict=False)]))
+        prefill_s, steps = hf_sampled_run(model, kwargs, new_tokens, seed)
+        prefills.append(prefill_s)
+        rates.append(1 / statistics.median(steps))
     return {
         "strategy": "hf-all-resident",
         "routing": "sampled",
@@ -255,11 +240,11 @@ def oracle(
     num_layers: int,
 ) -> dict:
     """Belady's fewest decode misses for the recorded routing, with the cache warmed by the same prefill."""
-    from vismmoe_edge.experts.oracle import belady
+    from vismmoe_edge.experts.oracle import belady_after_warmup
 
     prefill = [layer * 1000 + e for layer, ids in routes[:num_layers] for e in ids]
     decode = [layer * 1000 + e for layer, ids in routes[num_layers:] for e in ids]
-    misses = belady(prefill + decode, slots).misses - belady(prefill, slots).misses
+    misses = belady_after_warmup(prefill, decode, slots)
     io_s = misses * expert_bytes / bandwidth / tokens
     return {
         "strategy": "oracle-bound",

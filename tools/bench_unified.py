@@ -112,13 +112,12 @@ def worker(args: argparse.Namespace) -> dict:
             read_after_prefill = proc_read_bytes()
     steps = [b - a for a, b in zip(times, times[1:], strict=False)]
     stats = pipeline.stats.as_dict()
-    from vismmoe_edge.experts.oracle import belady
+    from vismmoe_edge.experts.oracle import belady_after_warmup
 
     layers = len(engine.catalogue.moe_layers)
     prefill = [k for step in routes[:layers] for k in step]
     decode = [k for step in routes[layers:] for k in step]
-    slots = pipeline.capacity
-    oracle_misses = belady(prefill + decode, slots).misses - belady(prefill, slots).misses
+    oracle_misses = belady_after_warmup(prefill, decode, pipeline.capacity)
     decode_read = proc_read_bytes() - read_after_prefill
     return {
         "strategy": args.strategy,

@@ -25,7 +25,7 @@ def run_trials(
 ) -> list[dict[str, float]]:
     import torch
 
-    from vismmoe_edge.experts.oracle import belady
+    from vismmoe_edge.experts.oracle import belady_after_warmup
     from vismmoe_edge.sampling import SamplingConfig
 
     routes: list[list[int]] = []
@@ -50,8 +50,8 @@ def run_trials(
         steps = [b - a for a, b in zip(times, times[1:], strict=False)]
         layers = len(engine.catalogue.moe_layers)
         prefill_keys = [k for step in routes[:layers] for k in step]
-        all_keys = prefill_keys + [k for step in routes[layers:] for k in step]
-        oracle_misses = belady(all_keys, pipeline.capacity).misses - belady(prefill_keys, pipeline.capacity).misses
+        decode_keys = [k for step in routes[layers:] for k in step]
+        oracle_misses = belady_after_warmup(prefill_keys, decode_keys, pipeline.capacity)
         decode_log = pipeline.layer_log[layers:]
         stats = pipeline.stats
         trials.append(

@@ -116,6 +116,11 @@ class ExpertCatalogue:
         """Bytes of one expert as stored (all experts of a model have the same size)."""
         return next(iter(self.experts.values())).nbytes
 
+    @property
+    def dtype(self) -> str:
+        """The experts' safetensors dtype (one for the whole checkpoint: mixed dtypes are refused)."""
+        return next(iter(self.experts.values())).parts[0].dtype
+
 
 def read_shard_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one safetensors header against the file's real size."""
@@ -204,8 +209,8 @@ def read_tensor_table(directory: Path) -> dict[str, TensorInfo]:
     return table
 
 
-def _fused_parts(info: TensorInfo, expert: int, kind: str, hidden: int, inter: int) -> tuple[ExpertPart, bool]:
-    """One expert's slice of a fused [E, a, b] tensor, and whether it is stored transposed (hub layout)."""
+def _fused_part(info: TensorInfo, expert: int, kind: str, hidden: int, inter: int) -> ExpertPart:
+    """One expert's slice of a fused [E, a, b] tensor; `transposed` marks the hub layout."""
     _, a, b = info.shape
     v5_shape = (2 * inter, hidden) if kind == "gate_up_proj" else (hidden, inter)
     hub_shape = (v5_shape[1], v5_shape[0])
@@ -228,7 +233,7 @@ def _fused_parts(info: TensorInfo, expert: int, kind: str, hidden: int, inter: i
         shape=(a, b),
         transposed=transposed,
     )
-    return part, transposed
+    return part
 
 
 def build_expert_catalogue(
@@ -264,11 +269,11 @@ def build_expert_catalogue(
                 )
             names.add(info.name)
         for e in range(num_experts):
-            gate_up, t1 = _fused_parts(kinds["gate_up_proj"], e, "gate_up_proj", hidden, inter)
-            down, t2 = _fused_parts(kinds["down_proj"], e, "down_proj", hidden, inter)
-            if t1 != t2:
+            gate_up = _fused_part(kinds["gate_up_proj"], e, "gate_up_proj", hidden, inter)
+            down = _fused_part(kinds["down_proj"], e, "down_proj", hidden, inter)
+            if gate_up.transposed != down.transposed:
                 raise VismmoeError(f"layer {layer}: gate_up_proj and down_proj are stored in different layouts")
-            layouts.add("hub" if t1 else "v5")
+            layouts.add("hub" if gate_up.transposed else "v5")
             experts[(layer, e)] = ExpertLocation(layer, e, (gate_up, down))
 
     want = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}

@@ -30,7 +30,7 @@ def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[st
         "model_dir": str(model_dir),
         "architecture": qwen3_vl_moe.ARCHITECTURE,
         "expert_layout": catalogue.layout,
-        "dtype": next(iter(catalogue.experts.values())).parts[0].dtype,
+        "dtype": catalogue.dtype,
         "layers": text.num_hidden_layers,
         "moe_layers": len(catalogue.moe_layers),
         "experts_per_layer": catalogue.num_experts,

@@ -6,8 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, read_tensor_table
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
@@ -17,11 +15,6 @@ from vismmoe_edge.experts.pipeline import POLICIES
 from vismmoe_edge.experts.runtime import attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
 from vismmoe_edge.models import qwen3_vl_moe
-
-
-def checkpoint_dtype(catalogue: ExpertCatalogue) -> torch.dtype:
-    part = next(iter(catalogue.experts.values())).parts[0]
-    return TORCH_DTYPES[part.dtype]
 
 
 def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[int]:
@@ -49,8 +42,6 @@ PREDICTORS = ("none", "next-layer-gate", "previous-token")
 def make_predictor(name: str, model: object, moe_layers: list[int]) -> Predictor | None:
     from vismmoe_edge.predict.simple import NextLayerGatePredictor, PreviousTokenPredictor
 
-    if name not in PREDICTORS:
-        raise VismmoeError(f"--predictor {name!r}: use one of {', '.join(PREDICTORS)}")
     if name == "none":
         return None
     layers = model.model.language_model.layers  # type: ignore[attr-defined]
@@ -118,11 +109,13 @@ def load(
     table = read_tensor_table(model_dir)
     catalogue = qwen3_vl_moe.catalogue_for(config, table)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, checkpoint_dtype(catalogue), torch_device)
+    torch_dtype = resolve_dtype(dtype, TORCH_DTYPES[catalogue.dtype], torch_device)
     processor = load_processor(model_dir)
 
     if policy not in POLICIES:
         raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
+    if predictor not in PREDICTORS:  # before the model is built, not after
+        raise VismmoeError(f"--predictor {predictor!r}: use one of {', '.join(PREDICTORS)}")
     moe_layers = catalogue.moe_layers
     if not 0 <= pinned_layers <= len(moe_layers):
         raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")

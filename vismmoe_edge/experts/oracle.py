@@ -195,6 +195,12 @@ def belady(accesses: Sequence[Hashable], capacity: int, pinned: Iterable[Hashabl
     return _result(*_replay(_belady_streamed, accesses, capacity, pinned))
 
 
+def belady_after_warmup(warmup: Sequence[Hashable], accesses: Sequence[Hashable], capacity: int) -> int:
+    """Belady's fewest misses on `accesses` when the cache has first served `warmup` (e.g. decode after the
+    prompt's prefill): the misses of the whole sequence less those of the warm-up alone."""
+    return belady([*warmup, *accesses], capacity).misses - belady(warmup, capacity).misses
+
+
 def lru(accesses: Sequence[Hashable], capacity: int, pinned: Iterable[Hashable] = frozenset()) -> OracleResult:
     """Least-recently-used replacement, the reference online policy (same model as `belady`)."""
     return _result(*_replay(_lru_streamed, accesses, capacity, pinned))

@@ -164,15 +164,14 @@ class ExpertPipeline:
         a prompt's routing says which experts its reply will keep using).
         """
         self.layer_log.append(LayerStats(layer))
+        experts = list(experts)
         if shares is not None and self.policy == "popularity":
-            experts = list(experts)
             for expert, share in zip(experts, shares, strict=True):
                 key = (layer, expert)
                 self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + share
         ready: list[int] = []
         waiting: list[int] = []
         self._misses = set()
-        experts = list(experts)
         with self._lock:
             self._expire_unrouted_predictions(layer, set(experts))
             for expert in experts:
@@ -283,14 +282,6 @@ class ExpertPipeline:
     def record_compute(self, seconds: float) -> None:
         self.layer_log[-1].compute_s += seconds
         self.layer_log[-1].resident_bytes = self.stats.resident_bytes
-
-    def is_resident(self, layer: int, expert: int) -> bool:
-        key = (layer, expert)
-        if key in self.pinned:
-            return True
-        with self._lock:
-            entry = self._entries.get(key)
-            return entry is not None and entry.loaded.is_set()
 
     def is_streamed_and_loaded(self, layer: int, expert: int) -> bool:
         """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""

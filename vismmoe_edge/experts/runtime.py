@@ -12,7 +12,7 @@ from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
 
 TIERS = ("auto", "host", "gpu", "unified", "mmap")
-DEFAULT_SPECULATIVE_EXPERTS = 16
+SPECULATIVE_EXPERTS = 16
 
 
 def build_runtime(
@@ -21,8 +21,6 @@ def build_runtime(
     budget_bytes: int,
     pinned_layers: list[int],
     tier: str = "auto",
-    speculative_cap_bytes: int | None = None,
-    io_workers: int | None = None,
     policy: str = "lru",
 ) -> ExpertRuntime:
     """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots."""
@@ -55,21 +53,16 @@ def build_runtime(
             for k in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
         }
 
-    if speculative_cap_bytes is None:
-        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): by default two
-        # layers' worth of top-8 experts, and never more than a quarter of the cache.
-        speculative_cap_bytes = min(DEFAULT_SPECULATIVE_EXPERTS, max(slots // 4, 0)) * tier_impl.slot_bytes
-    if io_workers is None:
-        io_workers = 4 if store.device.type == "cuda" else 1  # CUDA: parallel memcpy into staging
     pipeline = ExpertPipeline(
         tier_impl,
         capacity=max(slots, 1),
         pinned=pinned,
-        speculative_cap_bytes=speculative_cap_bytes,
-        io_workers=io_workers,
+        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): two layers' worth
+        # of top-8 experts, never more than a quarter of the cache.
+        speculative_cap_bytes=min(SPECULATIVE_EXPERTS, slots // 4) * tier_impl.slot_bytes,
+        io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,
     )
-    pipeline.stats.bytes_read = 0
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
 
 

@@ -88,8 +88,3 @@ class ExpertStore:
         out = torch.empty(src.shape, dtype=self.dtype, device=self.device)
         out.copy_(src)
         return out
-
-    def load_layer_fused(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts of a layer stacked as transformers holds them: [E, 2I, H] and [E, H, I]."""
-        weights = [self.load(layer, e) for e in range(self.catalogue.num_experts)]
-        return torch.stack([w.gate_up for w in weights]), torch.stack([w.down for w in weights])

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from vismmoe_edge import pagecache
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
+from vismmoe_edge.checkpoint import DTYPE_NAMES, TORCH_DTYPES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 
@@ -27,11 +27,10 @@ class _MappedShards:
     """One MAP_SHARED read-only mapping per shard that holds experts, and zero-copy views of expert parts."""
 
     def __init__(self, store: ExpertStore, *, random_access: bool) -> None:
-        if any(p.dtype != _dtype_name(store.dtype) for loc in store.catalogue.experts.values() for p in loc.parts):
-            stored = next(iter(store.catalogue.experts.values())).parts[0].dtype
+        if store.catalogue.dtype != DTYPE_NAMES[store.dtype]:  # one dtype per checkpoint: the catalogue checks
             raise VismmoeError(
                 f"the unified tier computes straight from the page cache, so the compute dtype must be the "
-                f"checkpoint's ({stored}); pass --dtype auto or use --tier host"
+                f"checkpoint's ({store.catalogue.dtype}); pass --dtype auto or use --tier host"
             )
         self.store = store
         shards = sorted({p.shard for loc in store.catalogue.experts.values() for p in loc.parts})
@@ -64,10 +63,6 @@ class _MappedShards:
         # per-expert checkpoints keep gate and up apart: stacking them costs one copy of those two
         gate_up = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]])
         return ExpertWeights(gate_up=gate_up, down=parts["down"])
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in TORCH_DTYPES.items() if v == dtype)
 
 
 class UnifiedTier:
