@@ -1,4 +1,4 @@
-"""tools/shapes_vqa.py: deterministic splits, and answers re-derived independently (from pixels where feasible)."""
+"""Shapes-VQA: deterministic splits, and answers re-derived independently (from pixels where feasible)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,13 @@ import io
 import json
 import random
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import shapes_vqa as sv  # noqa: E402
+from vismmoe_edge import shapes_vqa as sv
 
 PALETTE_NAMES = list(sv.PALETTE)
 PALETTE_RGB = np.array([sv.PALETTE[c] for c in PALETTE_NAMES], dtype=np.int32)

@@ -7,6 +7,7 @@ processor, which cannot be resolved without torchvision (notes/transformers-vlmo
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -87,27 +88,28 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
         )
 
 
-def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _train_bpe(corpus: Sequence[str], vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_VOCAB_SIZE,
+        vocab_size=vocab_size,
         # The full byte alphabet means no input is ever unknown.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=SPECIAL_TOKENS,
         show_progress=False,
     )
     # The trainer breaks count ties by pair order, so a fixed corpus gives a fixed vocab (checked by a test).
-    tok.train_from_iterator(list(_CORPUS), trainer=trainer)
+    tok.train_from_iterator(list(corpus), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     # Merges must be tuples: Qwen2Tokenizer rejects "a b" strings ("failed to extract enum PyMerges").
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
     return dict(model["vocab"]), merges
 
 
-def build_offline_tokenizer() -> Qwen2Tokenizer:
-    vocab, merges = _train_bpe()
+def build_offline_tokenizer(corpus: Sequence[str] = _CORPUS, vocab_size: int = _VOCAB_SIZE) -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer trained on `corpus`: deterministic, offline, never produces an unknown token."""
+    vocab, merges = _train_bpe(corpus, vocab_size)
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -119,7 +121,9 @@ def build_offline_tokenizer() -> Qwen2Tokenizer:
     return tok
 
 
-def build_offline_processor(*, min_pixels: int, max_pixels: int) -> ImageOnlyProcessor:
+def build_offline_processor(
+    *, min_pixels: int, max_pixels: int, tokenizer: Qwen2Tokenizer | None = None
+) -> ImageOnlyProcessor:
     """A complete Qwen3-VL-style processor built from nothing; identical output on every call."""
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=PATCH_SIZE,
@@ -130,7 +134,9 @@ def build_offline_processor(*, min_pixels: int, max_pixels: int) -> ImageOnlyPro
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
     )
     return ImageOnlyProcessor(
-        image_processor=image_processor, tokenizer=build_offline_tokenizer(), chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tokenizer if tokenizer is not None else build_offline_tokenizer(),
+        chat_template=CHAT_TEMPLATE,
     )
 
 

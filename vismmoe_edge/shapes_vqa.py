@@ -1,6 +1,6 @@
 """Shapes-VQA: a procedural visual question-answering data set, generated deterministically from a seed.
 
-    python tools/shapes_vqa.py OUT_DIR --split test --n 200
+    python -m vismmoe_edge.shapes_vqa OUT_DIR --split test --n 200
 
 Each image holds 2-6 flat-coloured shapes (circle, square, triangle), some with a digit or a 3-letter word printed
 below them, on a mostly redundant background (flat, gradient, tiled, noise, clutter lines). Image sides are
