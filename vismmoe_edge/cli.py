@@ -9,6 +9,16 @@ from typing import Annotated
 
 import typer
 
+from vismmoe_edge.cli_options import (
+    BudgetOpt,
+    ModelOpt,
+    PolicyOpt,
+    PredictorOpt,
+    ProfileOpt,
+    RunBudgetOpt,
+    RunPinnedOpt,
+    TierOpt,
+)
 from vismmoe_edge.errors import VismmoeError
 
 app = typer.Typer(
@@ -18,33 +28,6 @@ app = typer.Typer(
     add_completion=False,
 )
 
-ModelOpt = Annotated[
-    Path | None, typer.Option("--model", help="Hugging Face model directory; omit to use the built-in demo model")
-]
-BudgetOpt = Annotated[
-    str,
-    typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
-]
-RunBudgetOpt = Annotated[
-    str,
-    typer.Option(
-        "--memory-budget",
-        help="expert bytes kept in memory: a size (2GiB), a share of all experts (40%), or auto (plan)",
-    ),
-]
-RunPinnedOpt = Annotated[
-    int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: the plan's")
-]
-ProfileOpt = Annotated[str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto")]
-TierOpt = Annotated[
-    str, typer.Option("--tier", help="cache: auto (the plan's), host (RAM), gpu (CUDA), unified (page cache), mmap")
-]
-PolicyOpt = Annotated[
-    str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
-]
-PredictorOpt = Annotated[
-    str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
-]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -217,6 +200,7 @@ def doctor() -> None:
 
 def _register_commands() -> None:
     from vismmoe_edge.bench import bench_command
+    from vismmoe_edge.evaluate import eval_command
     from vismmoe_edge.plan import plan_command
     from vismmoe_edge.profiling import profile_command
     from vismmoe_edge.server import serve_command
@@ -227,6 +211,7 @@ def _register_commands() -> None:
     app.command("install-service")(install_service_command)
     app.command("profile")(profile_command)
     app.command("bench")(bench_command)
+    app.command("eval")(eval_command)
 
 
 _register_commands()

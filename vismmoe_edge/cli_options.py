@@ -1,0 +1,36 @@
+"""Typer option types shared by the commands that load a model (run, eval, ...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[
+    Path | None, typer.Option("--model", help="Hugging Face model directory; omit to use the built-in demo model")
+]
+BudgetOpt = Annotated[
+    str,
+    typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
+]
+RunBudgetOpt = Annotated[
+    str,
+    typer.Option(
+        "--memory-budget",
+        help="expert bytes kept in memory: a size (2GiB), a share of all experts (40%), or auto (plan)",
+    ),
+]
+RunPinnedOpt = Annotated[
+    int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: the plan's")
+]
+ProfileOpt = Annotated[str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto")]
+TierOpt = Annotated[
+    str, typer.Option("--tier", help="cache: auto (the plan's), host (RAM), gpu (CUDA), unified (page cache), mmap")
+]
+PolicyOpt = Annotated[
+    str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
+]
+PredictorOpt = Annotated[
+    str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
+]
