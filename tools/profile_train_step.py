@@ -49,17 +49,17 @@ def main() -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             b = dict(batch, pixel_values=batch["pixel_values"].to(dtype))
 
-            def step():
+            def step(model=model, b=b, opt=opt):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     out = model(**b, output_router_logits=True)
                 out.loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            def vision_only():
+            def vision_only(model=model, b=b):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     out = model.model.visual(b["pixel_values"], grid_thw=b["image_grid_thw"])
-                out.pooler_output.float().sum().backward() if hasattr(out, "pooler_output") else None
+                out.pooler_output[0].float().sum().backward()
 
             try:
                 for _ in range(3):
