@@ -59,7 +59,8 @@ def main() -> None:
             def vision_only(model=model, b=b):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     out = model.model.visual(b["pixel_values"], grid_thw=b["image_grid_thw"])
-                out.pooler_output[0].float().sum().backward()
+                pooled = out.pooler_output
+                (pooled if isinstance(pooled, torch.Tensor) else torch.cat(pooled)).float().sum().backward()
 
             try:
                 for _ in range(3):

@@ -8,6 +8,7 @@ and LLM tokens come in raster order of the (H/m, W/m) grid, frame after frame.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from types import TracebackType
 
 import torch
@@ -129,9 +130,8 @@ class VisionSaliency:
         cos, sin = pos
         q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)  # [N, heads, d], back in the model's dtype
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [heads, N, d]
-        bounds = cu_seqlens.tolist()
         self._segments = [
-            attention_received(q[:, s:e], k[:, s:e], chunk=self.chunk) for s, e in zip(bounds[:-1], bounds[1:])
+            attention_received(q[:, s:e], k[:, s:e], chunk=self.chunk) for s, e in pairwise(cu_seqlens.tolist())
         ]
 
     # -- results --------------------------------------------------------------------------------------
