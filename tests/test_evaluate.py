@@ -61,6 +61,7 @@ class ScriptedEngine:
     script: dict[str, str]
     experts: ExpertRuntime = field(default_factory=lambda: ExpertRuntime(pipeline=None))
     catalogue: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(moe_layers=[0, 1], num_experts=4))
+    compression: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(method="none"))
     model: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(config=SimpleNamespace(image_token_id=9)))
 
     def encode(self, question: str, images: list[Image.Image]) -> SimpleNamespace:
@@ -75,6 +76,7 @@ class ScriptedEngine:
             text=self.script[inputs.question],
             timings=SimpleNamespace(prefill_s=0.01),
             experts={"hits": 3.0, "misses": 1.0, "bytes_read": 100.0, "stall_s": 0.0},
+            compression=None,
         )
 
 

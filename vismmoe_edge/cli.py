@@ -10,13 +10,17 @@ from typing import Annotated
 import typer
 
 from vismmoe_edge.cli_options import (
+    AffinityWeightOpt,
     BudgetOpt,
+    CompressorOpt,
+    KeepRatioOpt,
     ModelOpt,
     PolicyOpt,
     PredictorOpt,
     ProfileOpt,
     RunBudgetOpt,
     RunPinnedOpt,
+    SalientRatioOpt,
     TierOpt,
 )
 from vismmoe_edge.errors import VismmoeError
@@ -52,6 +56,10 @@ def run(
     tier: TierOpt = "auto",
     predictor: PredictorOpt = "none",
     policy: PolicyOpt = "lru",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
     trace_out: Annotated[
         Path | None, typer.Option("--trace-out", help="write per-step, per-layer routing and cache telemetry (JSONL)")
     ] = None,
@@ -61,9 +69,12 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
 ) -> None:
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.sampling import SamplingConfig
 
     try:
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        compression.validate()
         images: list[Path] = list(image or [])
         if model is None:
             from vismmoe_edge.demo import ensure_sample_image
@@ -90,6 +101,7 @@ def run(
             predictor=predictor,
             policy=policy,
         )
+        engine.compression = compression
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
@@ -128,6 +140,14 @@ def run(
         f"decode {t.decode_tokens_per_s:.2f} tok/s over {t.decode_tokens} tokens | stop: {result.stop_reason}]",
         err=True,
     )
+    if result.compression is not None:
+        c = result.compression
+        note = f"; {c.note}" if c.note else ""
+        typer.echo(
+            f"[compression {c.method}: kept {c.kept_visual_tokens} of {c.visual_tokens} visual tokens after "
+            f"{engine.pinned_layers} pinned layers, {c.seconds * 1000:.1f} ms{note}]",
+            err=True,
+        )
     typer.echo(
         f"[experts: {int(x['hits'])} hits, {int(x['misses'])} misses ({x['hit_rate']:.1%} hit rate), "
         f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",

@@ -34,3 +34,17 @@ PolicyOpt = Annotated[
 PredictorOpt = Annotated[
     str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
 ]
+CompressorOpt = Annotated[
+    str,
+    typer.Option(
+        "--compressor",
+        help="visual-token compression after the pinned prefix: none, random, saliency, zip, affinity",
+    ),
+]
+KeepRatioOpt = Annotated[float, typer.Option("--keep-ratio", help="share of each image's visual tokens kept")]
+SalientRatioOpt = Annotated[
+    float, typer.Option("--salient-ratio", help="affinity: share of visual tokens in the salient core")
+]
+AffinityWeightOpt = Annotated[
+    float, typer.Option("--affinity-weight", help="affinity: lambda in p = saliency - lambda * new-expert share")
+]

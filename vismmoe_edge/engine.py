@@ -20,6 +20,15 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.checkpoint import ExpertCatalogue
+from vismmoe_edge.compress.prune import (
+    CompressionConfig,
+    CompressionReport,
+    cut_sequence,
+    keep_mask,
+    merge_groups,
+    select_per_image,
+)
+from vismmoe_edge.compress.saliency import VisionSaliency
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
@@ -36,7 +45,8 @@ class StepObserver(Protocol):
 @dataclass
 class Timings:
     vision_s: float = 0.0
-    prefill_s: float = 0.0  # vision tower included
+    compress_s: float = 0.0  # choosing the kept visual tokens and cutting the sequence
+    prefill_s: float = 0.0  # vision tower and compression included
     decode_s: float = 0.0
     decode_tokens: int = 0
 
@@ -47,6 +57,7 @@ class Timings:
     def as_dict(self) -> dict[str, float]:
         return {
             "vision_s": self.vision_s,
+            "compress_s": self.compress_s,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tokens": self.decode_tokens,
@@ -62,9 +73,11 @@ class GenerationResult:
     stop_reason: str  # "stop_token" or "max_new_tokens" or "cancelled"
     timings: Timings
     experts: dict[str, float] = field(default_factory=dict)
+    compression: CompressionReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "compression": self.compression.as_dict() if self.compression is not None else None,
             "prompt_token_ids": self.prompt_token_ids,
             "token_ids": self.token_ids,
             "text": self.text,
@@ -95,6 +108,7 @@ class Engine:
         dtype: torch.dtype,
         eos_token_ids: list[int],
         is_demo: bool = False,
+        pinned_layers: int = 0,
     ) -> None:
         self.model = model
         self.processor = processor
@@ -108,6 +122,9 @@ class Engine:
         self.language_model = model.model.language_model
         self.text_config = self.language_model.config
         self.observers: list[StepObserver] = []  # trace recording, trace replay
+        self.pinned_layers = pinned_layers  # MoE layers always resident: the prefix that sees every token
+        self.compression = CompressionConfig()  # visual-token compression, applied right after that prefix
+        self.last_compression: CompressionReport | None = None
 
     # ---- inputs -------------------------------------------------------------------------------------
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
@@ -146,10 +163,14 @@ class Engine:
         hidden = lm.embed_tokens(input_ids)
         visual_mask = None
         deepstack: list[torch.Tensor] = []
+        compress = self.compression.method != "none" and inputs.pixel_values is not None
+        self.last_compression = None
+        saliency = VisionSaliency(self.model.model.visual) if compress and self.compression.needs_saliency else None
         if inputs.pixel_values is not None:
             start = time.perf_counter()
             grid = inputs.image_grid_thw.to(self.device)
-            vision = self.model.model.get_image_features(inputs.pixel_values.to(self.device, self.dtype), grid)
+            with saliency if saliency is not None else contextlib.nullcontext():
+                vision = self.model.model.get_image_features(inputs.pixel_values.to(self.device, self.dtype), grid)
             timings.vision_s = time.perf_counter() - start
             image_embeds = torch.cat(vision.pooler_output).to(hidden.dtype)
             deepstack = [torch.cat(features) for features in vision.deepstack_features]
@@ -173,14 +194,102 @@ class Engine:
             attention_mask=torch.ones(input_ids.shape, dtype=torch.long, device=self.device),
             cache=cache,
         )
-        for i, layer in enumerate(lm.layers):
-            hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=cos_sin)
-            if i < len(deepstack) and visual_mask is not None:
-                hidden = lm._deepstack_process(hidden, visual_mask, deepstack[i])
+        next_position = int(positions.max()) + 1  # decode continues the uncompressed numbering
+        cut_at = self._cut_layer() if compress else -1
+        if cut_at >= len(lm.layers):
+            note = "every MoE layer is pinned: no layer after the prefix is left to run on fewer tokens"
+            self.last_compression = CompressionReport(method=self.compression.method, note=note)
+        prefix_routes: dict[int, torch.Tensor] = {}
+        route_hook = None
+        if compress and self.compression.method == "affinity" and self.pinned_layers > 0:
+            prefix = set(self.catalogue.moe_layers[: self.pinned_layers])
+
+            def route_hook(layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+                if layer in prefix:
+                    prefix_routes[layer] = index.detach()
+
+            self.experts.route_hooks.append(route_hook)
+        try:
+            for i, layer in enumerate(lm.layers):
+                if i == cut_at:
+                    start = time.perf_counter()
+                    hidden, positions, visual_mask, deepstack = self._compress(
+                        hidden, positions, cache, visual_mask, deepstack, grid, saliency, prefix_routes, i
+                    )
+                    cos_sin = lm.rotary_emb(hidden, positions)
+                    mask = create_causal_mask(
+                        config=self.text_config,
+                        inputs_embeds=hidden,
+                        attention_mask=torch.ones(hidden.shape[:2], dtype=torch.long, device=self.device),
+                        cache=None,  # the layers after the cut start from an empty cache of their own
+                    )
+                    timings.compress_s = self.last_compression.seconds = time.perf_counter() - start
+                hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=cos_sin)
+                if i < len(deepstack) and visual_mask is not None:
+                    hidden = lm._deepstack_process(hidden, visual_mask, deepstack[i])
+        finally:
+            if route_hook is not None:
+                self.experts.route_hooks.remove(route_hook)
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
         for observer in self.observers:
             observer.end_step("prefill", 0)
-        return logits, DecodeState(cache=cache, next_position=int(positions.max()) + 1)
+        return logits, DecodeState(cache=cache, next_position=next_position)
+
+    def _cut_layer(self) -> int:
+        """The decoder layer before which visual tokens are dropped: the first one after the pinned prefix."""
+        if self.pinned_layers == 0:
+            return 0
+        return self.catalogue.moe_layers[self.pinned_layers - 1] + 1
+
+    def _compress(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        visual_mask: torch.Tensor,
+        deepstack: list[torch.Tensor],
+        grid: torch.Tensor,
+        saliency: VisionSaliency | None,
+        prefix_routes: dict[int, torch.Tensor],
+        cut_at: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Choose each image's kept visual tokens and cut hidden states, positions, the prefix KV cache and the
+        DeepStack features still to come, all by the same rows."""
+        config = self.compression
+        merge = self.model.model.visual.spatial_merge_size
+        tokens_per_image = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
+        report = CompressionReport(method=config.method, visual_tokens=sum(tokens_per_image))
+        seq_mask = visual_mask[0]
+        visual_rows = seq_mask.nonzero().flatten()
+        splits = list(torch.split(torch.arange(len(visual_rows)), tokens_per_image))
+        prefix_experts = None
+        if config.method == "affinity":
+            if self.pinned_layers == 0:
+                report.note = "no pinned prefix: affinity has no prefix routing to use, so it keeps by saliency only"
+            else:
+                layers = self.catalogue.moe_layers[: self.pinned_layers]
+                routed = torch.stack([prefix_routes[layer][visual_rows] for layer in layers], dim=1)  # [V, L, k]
+                prefix_experts = [routed[rows.to(routed.device)].cpu() for rows in splits]
+        visual_hidden = [hidden[0, visual_rows[rows.to(visual_rows.device)]] for rows in splits]
+        kept, groups = select_per_image(
+            config,
+            tokens_per_image,
+            [s.cpu() for s in saliency.per_image()] if saliency is not None else None,
+            prefix_experts,
+            visual_hidden,
+        )
+        filled = list(cache.layers[:cut_at])
+        if any(g is not None for g in groups):
+            merge_groups(hidden, filled, seq_mask, tokens_per_image, kept, groups)
+        keep = keep_mask(seq_mask, tokens_per_image, kept)
+        # DeepStack rows are in visual-token order: keep those of kept visual tokens, for layers still to come.
+        kept_visual = keep[visual_rows]
+        deepstack = [d if j < cut_at else d[kept_visual] for j, d in enumerate(deepstack)]
+        hidden, positions = cut_sequence(keep, hidden, positions, filled)
+        report.kept = kept
+        report.kept_visual_tokens = int(kept_visual.sum())
+        self.last_compression = report
+        return hidden, positions, visual_mask[:, keep], deepstack
 
     # ---- decode -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -317,6 +426,7 @@ class Engine:
             stop_reason=reason,
             timings=timings,
             experts=self.experts.pipeline.stats.as_dict(),
+            compression=self.last_compression,
         )
 
 

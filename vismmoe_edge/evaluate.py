@@ -18,12 +18,16 @@ import typer
 from PIL import Image
 
 from vismmoe_edge.cli_options import (
+    AffinityWeightOpt,
+    CompressorOpt,
+    KeepRatioOpt,
     ModelOpt,
     PolicyOpt,
     PredictorOpt,
     ProfileOpt,
     RunBudgetOpt,
     RunPinnedOpt,
+    SalientRatioOpt,
     TierOpt,
 )
 from vismmoe_edge.errors import VismmoeError
@@ -106,6 +110,8 @@ class EvalReport:
     seconds: float
     prefill_ms_median: float
     visual_tokens_mean: float
+    kept_visual_tokens_mean: float
+    compression: str
     predictions: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -117,6 +123,8 @@ class EvalReport:
             "seconds": round(self.seconds, 2),
             "prefill_ms_median": round(self.prefill_ms_median, 2),
             "visual_tokens_mean": round(self.visual_tokens_mean, 1),
+            "kept_visual_tokens_mean": round(self.kept_visual_tokens_mean, 1),
+            "compression": self.compression,
         }
 
 
@@ -136,6 +144,7 @@ def evaluate(
     totals: dict[str, float] = {}
     prefill_ms: list[float] = []
     visual_tokens: list[int] = []
+    kept_tokens: list[int] = []
     image_token = engine.model.config.image_token_id
     start = time.perf_counter()
     try:
@@ -145,6 +154,8 @@ def evaluate(
             ok = board.add(item.family, result.text, item.answer)
             prefill_ms.append(result.timings.prefill_s * 1000)
             visual_tokens.append(int((inputs.input_ids == image_token).sum()))
+            kept = result.compression.kept_visual_tokens if result.compression is not None else None
+            kept_tokens.append(visual_tokens[-1] if kept is None else kept)
             for key, value in result.experts.items():
                 if key in ("hits", "misses", "bytes_read", "stall_s"):
                     totals[key] = totals.get(key, 0.0) + value
@@ -164,6 +175,8 @@ def evaluate(
         seconds=time.perf_counter() - start,
         prefill_ms_median=statistics.median(prefill_ms),
         visual_tokens_mean=statistics.fmean(visual_tokens),
+        kept_visual_tokens_mean=statistics.fmean(kept_tokens),
+        compression=engine.compression.method,
     )
 
 
@@ -182,7 +195,7 @@ def format_report(report: EvalReport, title: str) -> Iterator[str]:
     yield (
         f"experts: {x['hit_rate']:.1%} hit rate, {format_bytes(x.get('bytes_read', 0))} read | "
         f"prefill median {report.prefill_ms_median:.0f} ms, {report.visual_tokens_mean:.0f} visual tokens on average"
-        f" | {report.seconds:.0f} s in all"
+        f" ({report.kept_visual_tokens_mean:.0f} kept by {report.compression}) | {report.seconds:.0f} s in all"
     )
 
 
@@ -205,6 +218,10 @@ def eval_command(
     tier: TierOpt = "auto",
     predictor: PredictorOpt = "none",
     policy: PolicyOpt = "lru",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 8,
     predictions: Annotated[
         Path | None, typer.Option("--predictions", help="write one JSON line per question as it is answered")
@@ -214,9 +231,12 @@ def eval_command(
     """Score a model on Shapes-VQA or on your own images + JSONL: exact-match accuracy per family, routing
     concentration and expert traffic, with the same memory options as `run`."""
     from vismmoe_edge.cli import apply_plan, fail
+    from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.loader import load
 
     try:
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        compression.validate()
         if (benchmark is None) == (data is None):
             raise VismmoeError("pass exactly one of --benchmark shapes-vqa or --data FOLDER")
         if benchmark is not None and benchmark not in BENCHMARKS:
@@ -240,6 +260,7 @@ def eval_command(
             predictor=predictor,
             policy=policy,
         )
+        engine.compression = compression
         sink = predictions.open("w") if predictions is not None else None
         try:
 

@@ -140,4 +140,5 @@ def load(
         dtype=torch_dtype,
         eos_token_ids=eos_token_ids(model_dir, config, processor.tokenizer),
         is_demo=is_demo,
+        pinned_layers=pinned_layers,
     )
