@@ -219,6 +219,7 @@ def doctor() -> None:
 
 
 def _register_commands() -> None:
+    from vismmoe_edge.analyze import analyze_command
     from vismmoe_edge.bench import bench_command
     from vismmoe_edge.evaluate import eval_command
     from vismmoe_edge.plan import plan_command
@@ -232,6 +233,7 @@ def _register_commands() -> None:
     app.command("profile")(profile_command)
     app.command("bench")(bench_command)
     app.command("eval")(eval_command)
+    app.command("analyze")(analyze_command)
 
 
 _register_commands()
