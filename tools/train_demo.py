@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -236,13 +237,20 @@ def normalize_pixels(raw: torch.Tensor) -> torch.Tensor:
     return (raw.float() * (1 / 255) - 0.5) / 0.5
 
 
+SMALL_SIDES = tuple(side for side in sv.SIDES if side <= 640)  # 196-400 visual tokens
+
+
 class TrainStream(IterableDataset):
-    """An endless stream of training conversations from the train seed; each worker draws its own substream."""
+    """An endless stream of training conversations from the train seed; each worker draws its own substream.
+
+    While `small_phase` (shared with the training loop) is 1, images are at most 640 px a side: cheaper steps,
+    and fewer tokens to search while the model learns to look; then the full size range."""
 
     def __init__(self, seed: int, qas_per_image: int):
         self.seed = seed
         self.qas_per_image = qas_per_image
         self.processor = build_processor()
+        self.small_phase = multiprocessing.Value("b", 1)
 
     def __iter__(self):
         info = get_worker_info()
@@ -250,7 +258,7 @@ class TrainStream(IterableDataset):
         train_seed = sv.SPLITS["train"][0]
         for i in range(10**12):
             rng = random.Random(f"{train_seed}:stream:{self.seed}:{worker}:{i}")
-            scene = sv.make_scene(rng)
+            scene = sv.make_scene(rng, sides=SMALL_SIDES if self.small_phase.value else sv.SIDES)
             qas = training_qas(scene, rng, self.qas_per_image)
             image = sv.render(scene)
             sample = encode_conversation(self.processor, image, qas)
@@ -371,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", default="auto", help="optimizer steps, or 'auto' to fit --minutes")
     parser.add_argument("--minutes", type=float, default=6.5, help="training time budget for --steps auto")
     parser.add_argument("--batch", type=int, default=24, help="images per step")
-    parser.add_argument("--qas", type=int, default=10, help="question/answer turns per image")
+    parser.add_argument("--qas", type=int, default=14, help="question/answer turns per image")
+    parser.add_argument("--small-first", type=float, default=0.3, help="share of steps on images <= 640 px")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
@@ -407,8 +416,10 @@ def main(argv: list[str] | None = None) -> None:
         betas=(0.9, 0.98),
         fused=device.type == "cuda",
     )
+    stream = TrainStream(args.seed, args.qas)
+    stream.small_phase.value = int(args.small_first > 0)
     loader = DataLoader(
-        TrainStream(args.seed, args.qas),
+        stream,
         batch_size=args.batch,
         num_workers=args.workers,
         collate_fn=lambda b: collate(b, tok.pad_token_id),
@@ -457,9 +468,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.steps == "auto" and step == 30:
             t_probe = time.perf_counter()
         if args.steps == "auto" and step == 130:
+            # small-image steps are cheaper; assume full-size ones cost twice as much when sizing the run
             per_step = (time.perf_counter() - t_probe) / 100
-            total = int(args.minutes * 60 / per_step)
+            small = args.small_first if stream.small_phase.value else 0.0
+            total = int(args.minutes * 60 / (per_step * (small + 2 * (1 - small))))
             print(f"\n{per_step * 1000:.0f} ms/step -> {total} steps in {args.minutes} min")
+        if stream.small_phase.value and step >= args.small_first * total:
+            stream.small_phase.value = 0  # batches already queued by workers still hold small images
     bar.close()
     train_seconds = time.perf_counter() - t_start
     print(f"trained {step} steps in {train_seconds:.0f} s")

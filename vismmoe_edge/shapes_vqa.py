@@ -144,8 +144,9 @@ def _sample_text(rng: random.Random) -> str | None:
     return None
 
 
-def make_scene(rng: random.Random, *, shifted: bool = False) -> Scene:
-    width, height = rng.choice(SIDES), rng.choice(SIDES)
+def make_scene(rng: random.Random, *, shifted: bool = False, sides: tuple[int, ...] = SIDES) -> Scene:
+    """`sides` narrows the image sizes (a training curriculum); the splits always use SIDES."""
+    width, height = rng.choice(sides), rng.choice(sides)
     kind, rgb = _sample_background(rng, shifted)
     radii = SHIFTED_RADII if shifted else RADII
     objects: list[SceneObject] = []
