@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU server (device tool): train the demo model and bring it back under $OUT/demo-model.
+# On the GPU server (device tool): train the demo model and bring it back as $OUT/demo-model.tar.
 #   bash tools/device_train_demo.sh [extra train_demo.py args]
 set -euo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -8,5 +8,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
-nproc
-python3 tools/train_demo.py "$OUT/demo-model" "$@" 2>&1 | tee "$OUT/train.log"
+python3 tools/train_demo.py /tmp/demo-model "$@" 2>&1 | tee "$OUT/train.log"
+# The device tool brings back a limited number of files: one archive holds the whole checkpoint.
+tar -C /tmp -cf "$OUT/demo-model.tar" demo-model
