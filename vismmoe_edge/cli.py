@@ -184,8 +184,11 @@ def apply_plan(
     memory_budget = planned["memory_budget"] if memory_budget == "auto" else memory_budget
     pinned_layers = planned["pinned_layers"] if pinned_layers is None else pinned_layers
     tier = planned["tier"] if tier == "auto" else tier
+    from vismmoe_edge.units import format_bytes
+
+    shown_budget = format_bytes(int(memory_budget)) if str(memory_budget).isdigit() else memory_budget
     note = (
-        f"[plan: profile {chosen.name}: {pinned_layers} pinned layers, expert budget {memory_budget} B, tier {tier}; "
+        f"[plan: profile {chosen.name}: {pinned_layers} pinned layers, expert budget {shown_budget}, tier {tier}; "
         "`vismmoe-edge plan` says why]"
     )
     return memory_budget, pinned_layers, tier, note
@@ -221,6 +224,7 @@ def doctor() -> None:
 def _register_commands() -> None:
     from vismmoe_edge.analyze import analyze_command
     from vismmoe_edge.bench import bench_command
+    from vismmoe_edge.calibrate import calibrate_command
     from vismmoe_edge.evaluate import eval_command
     from vismmoe_edge.plan import plan_command
     from vismmoe_edge.profiling import profile_command
@@ -234,6 +238,7 @@ def _register_commands() -> None:
     app.command("bench")(bench_command)
     app.command("eval")(eval_command)
     app.command("analyze")(analyze_command)
+    app.command("calibrate")(calibrate_command)
 
 
 _register_commands()

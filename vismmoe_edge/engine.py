@@ -125,6 +125,10 @@ class Engine:
         self.pinned_layers = pinned_layers  # MoE layers always resident: the prefix that sees every token
         self.compression = CompressionConfig()  # visual-token compression, applied right after that prefix
         self.last_compression: CompressionReport | None = None
+        # What a lookahead predictor pools over, kept current through the cut: the rows of the sequence now in
+        # flight that are visual tokens (None: every row), and the mean of the kept visual embeddings.
+        self.interest_rows: torch.Tensor | None = None
+        self.visual_summary: torch.Tensor | None = None
 
     # ---- inputs -------------------------------------------------------------------------------------
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
@@ -165,6 +169,7 @@ class Engine:
         deepstack: list[torch.Tensor] = []
         compress = self.compression.method != "none" and inputs.pixel_values is not None
         self.last_compression = None
+        self.interest_rows = self.visual_summary = None
         saliency = VisionSaliency(self.model.model.visual) if compress and self.compression.needs_saliency else None
         if inputs.pixel_values is not None:
             start = time.perf_counter()
@@ -180,6 +185,7 @@ class Engine:
                     f"prompt has {int(visual_mask.sum())} image tokens, images give {image_embeds.shape[0]}"
                 )
             hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
+            self.interest_rows, self.visual_summary = visual_mask[0], image_embeds.float().mean(dim=0)
             positions, _ = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=inputs.mm_token_type_ids.to(self.device), image_grid_thw=grid
             )
@@ -216,6 +222,9 @@ class Engine:
                     hidden, positions, visual_mask, deepstack = self._compress(
                         hidden, positions, cache, visual_mask, deepstack, grid, saliency, prefix_routes, i
                     )
+                    kept_visual = self.last_compression.kept_visual_mask
+                    self.interest_rows = visual_mask[0]
+                    self.visual_summary = image_embeds[kept_visual.to(image_embeds.device)].float().mean(dim=0)
                     cos_sin = lm.rotary_emb(hidden, positions)
                     mask = create_causal_mask(
                         config=self.text_config,
@@ -233,6 +242,7 @@ class Engine:
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
         for observer in self.observers:
             observer.end_step("prefill", 0)
+        self.interest_rows = None  # decode steps carry one token
         return logits, DecodeState(cache=cache, next_position=next_position)
 
     def _cut_layer(self) -> int:
@@ -287,6 +297,7 @@ class Engine:
         deepstack = [d if j < cut_at else d[kept_visual] for j, d in enumerate(deepstack)]
         hidden, positions = cut_sequence(keep, hidden, positions, filled)
         report.kept = kept
+        report.kept_visual_mask = kept_visual
         report.kept_visual_tokens = int(kept_visual.sum())
         self.last_compression = report
         return hidden, positions, visual_mask[:, keep], deepstack

@@ -37,7 +37,7 @@ from vismmoe_edge.sampling import SamplingConfig
 from vismmoe_edge.vqa_scoring import Scoreboard
 
 BENCHMARKS = ("shapes-vqa",)
-SHAPES_SPLITS = ("test", "shifted", "validation")
+SHAPES_SPLITS = ("test", "shifted", "validation", "train")
 
 
 @dataclass

@@ -51,6 +51,7 @@ class CompressionReport:
     seconds: float = 0.0  # selection only (saliency is computed inside the vision tower)
     note: str = ""
     kept: list[Tensor] = field(default_factory=list)  # per image: kept indices into its visual tokens
+    kept_visual_mask: Tensor | None = None  # [all visual tokens] bool, in prompt order
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -1,0 +1,83 @@
+"""`vismmoe-edge calibrate`: run prompts and images through the engine and record the lookahead predictor's
+training data (features and the routing of the following layers, per step and MoE layer) to an .npz file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vismmoe_edge.cli_options import (
+    AffinityWeightOpt,
+    CompressorOpt,
+    KeepRatioOpt,
+    ModelOpt,
+    ProfileOpt,
+    RunBudgetOpt,
+    RunPinnedOpt,
+    SalientRatioOpt,
+    TierOpt,
+)
+from vismmoe_edge.errors import VismmoeError
+
+
+def calibrate_command(
+    out: Annotated[Path, typer.Option("--out", help="where to write the calibration data (.npz)")],
+    model: ModelOpt = None,
+    benchmark: Annotated[str, typer.Option("--benchmark", help="built-in prompts: shapes-vqa")] = "shapes-vqa",
+    split: Annotated[str, typer.Option("--split", help="shapes-vqa split (train keeps test and shifted unseen)")] = (
+        "train"
+    ),
+    data: Annotated[Path | None, typer.Option("--data", help="a folder of images with questions.jsonl")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="number of prompts")] = 500,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="decode steps per prompt")] = 8,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 decodes greedily")] = 0.0,
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
+    memory_budget: RunBudgetOpt = "auto",
+    pinned_layers: RunPinnedOpt = None,
+    profile: ProfileOpt = "auto",
+    tier: TierOpt = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
+) -> None:
+    """Record predictor training data: routing history, pooled hidden states and the visual summary at every
+    MoE layer of every step, with the experts the next layers then used. Run it with the compressor you deploy."""
+    from tqdm import tqdm
+
+    from vismmoe_edge.cli import apply_plan, fail
+    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.evaluate import folder_items, shapes_vqa_items
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.predict.routing_features import FeatureRecorder
+    from vismmoe_edge.sampling import SamplingConfig
+
+    try:
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        compression.validate()
+        if data is not None:
+            items = folder_items(data, limit=limit)
+        elif benchmark == "shapes-vqa":
+            items = shapes_vqa_items(split, limit)
+        else:
+            raise VismmoeError(f"unknown benchmark {benchmark!r}; built in: shapes-vqa")
+        memory_budget, pinned_layers, tier, plan_note = apply_plan(
+            model, profile, memory_budget, pinned_layers, tier, device
+        )
+        engine = load(model, memory_budget=memory_budget, pinned_layers=pinned_layers, device=device, tier=tier)
+        engine.compression = compression
+        recorder = FeatureRecorder(engine)
+        for n, item in enumerate(tqdm(items, desc="calibrate", unit="prompt")):
+            sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=n)
+            engine.generate_from_inputs(engine.encode(item.question, [item.load()]), sampling)
+        path = recorder.save(out)
+        samples = len(recorder.samples["layer"])
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
+    if plan_note:
+        typer.echo(plan_note, err=True)
+    typer.echo(f"wrote {samples} samples from {len(items)} prompts to {path}")
