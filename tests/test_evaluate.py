@@ -195,5 +195,5 @@ def test_eval_command_on_user_folder(checkpoints: dict[str, Path], tmp_path: Pat
 def test_eval_command_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("eval"), "--benchmark")
     assert_one_line_error(run_cli("eval", "--benchmark", "mmmu"), "unknown benchmark")
-    assert_one_line_error(run_cli("eval", "--benchmark", "shapes-vqa", "--split", "train"), "unknown split")
+    assert_one_line_error(run_cli("eval", "--benchmark", "shapes-vqa", "--split", "bogus"), "unknown split")
     assert_one_line_error(run_cli("eval", "--data", str(tmp_path / "nope")), "not found")
