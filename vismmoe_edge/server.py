@@ -38,6 +38,7 @@ from urllib.parse import unquote, urlparse
 import typer
 
 from vismmoe_edge import sdnotify
+from vismmoe_edge.cli_options import AffinityWeightOpt, CompressorOpt, KeepRatioOpt, SalientRatioOpt
 from vismmoe_edge.errors import VismmoeError
 
 if TYPE_CHECKING:
@@ -746,6 +747,7 @@ class ServeOptions:
     tier: str = "auto"
     predictor: str = "none"
     policy: str = "lru"
+    compression: Any = None  # a CompressionConfig (imported lazily: `serve --help` must not load torch)
     profile: str = "auto"
     image_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
@@ -778,6 +780,8 @@ class Service:
         self.engine = load(
             o.model, device=o.device, dtype=o.dtype, predictor=o.predictor, policy=o.policy, **self.settings
         )
+        if o.compression is not None:
+            self.engine.compression = o.compression
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
         self.worker.thread.start()
@@ -1462,6 +1466,10 @@ def serve_command(
         str, typer.Option("--predictor", help="prefetch driver: none, next-layer-gate, previous-token")
     ] = "none",
     policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
     profile: Annotated[
         str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
     ] = "auto",
@@ -1503,6 +1511,10 @@ def serve_command(
             max_queue=max_queue,
             request_timeout_s=request_timeout,
         )
+        from vismmoe_edge.compress.prune import CompressionConfig
+
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        compression.validate()
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
         options = ServeOptions(
@@ -1518,6 +1530,7 @@ def serve_command(
             tier=tier,
             predictor=predictor,
             policy=policy,
+            compression=compression,
             profile=profile,
             image_dir=image_dir,
             limits=limits,

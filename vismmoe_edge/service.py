@@ -73,6 +73,13 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
     ServeSetting("VISMMOE_EDGE_PREDICTOR", "--predictor", "none", "Prefetch: none, next-layer-gate, previous-token."),
     ServeSetting("VISMMOE_EDGE_POLICY", "--policy", "lru", "Eviction: lru or popularity."),
     ServeSetting(
+        "VISMMOE_EDGE_COMPRESSOR",
+        "--compressor",
+        "none",
+        "Visual-token compression after the pinned prefix: none, random, saliency, zip, affinity.",
+    ),
+    ServeSetting("VISMMOE_EDGE_KEEP_RATIO", "--keep-ratio", "0.7", "Compression: share of visual tokens kept."),
+    ServeSetting(
         "VISMMOE_EDGE_PROFILE",
         "--profile",
         "auto",
@@ -469,6 +476,10 @@ def install_service_command(
     tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
     predictor: Annotated[str, typer.Option("--predictor", help="none, next-layer-gate, previous-token")] = "none",
     policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
+    compressor: Annotated[
+        str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
+    ] = "none",
+    keep_ratio: Annotated[float, typer.Option("--keep-ratio", help="share of visual tokens kept")] = 0.7,
     profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
     listen: Annotated[str, typer.Option("--listen", help="unix:PATH or HOST:PORT")] = DEFAULT_LISTEN,
     user: Annotated[str, typer.Option("--user", help="service user; it should own the model files")] = "vismmoe",
@@ -486,6 +497,8 @@ def install_service_command(
         "VISMMOE_EDGE_TIER": tier,
         "VISMMOE_EDGE_PREDICTOR": predictor,
         "VISMMOE_EDGE_POLICY": policy,
+        "VISMMOE_EDGE_COMPRESSOR": compressor,
+        "VISMMOE_EDGE_KEEP_RATIO": str(keep_ratio),
         "VISMMOE_EDGE_PROFILE": profile,
         "VISMMOE_EDGE_LISTEN": listen,
     }
