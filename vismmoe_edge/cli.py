@@ -54,7 +54,7 @@ def run(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")] = "auto",
     tier: TierOpt = "auto",
-    predictor: PredictorOpt = "none",
+    predictor: PredictorOpt = "auto",
     policy: PolicyOpt = "lru",
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,
@@ -148,6 +148,15 @@ def run(
             f"{engine.pinned_layers} pinned layers, {c.seconds * 1000:.1f} ms{note}]",
             err=True,
         )
+    predictor = engine.experts.predictor
+    if predictor is not None:
+        where = f" on {predictor.provider}" if hasattr(predictor, "provider") else ""
+        typer.echo(
+            f"[predictor: {predictor.name}{where}, {engine.experts.predict_seconds * 1000:.1f} ms in all, "
+            f"{format_bytes(x.get('speculative_bytes', 0))} prefetched, "
+            f"{format_bytes(x.get('wasted_speculative_bytes', 0))} of it unused]",
+            err=True,
+        )
     typer.echo(
         f"[experts: {int(x['hits'])} hits, {int(x['misses'])} misses ({x['hit_rate']:.1%} hit rate), "
         f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
@@ -227,6 +236,7 @@ def _register_commands() -> None:
     from vismmoe_edge.calibrate import calibrate_command
     from vismmoe_edge.evaluate import eval_command
     from vismmoe_edge.plan import plan_command
+    from vismmoe_edge.predictor_cli import export_predictor_command, train_predictor_command
     from vismmoe_edge.profiling import profile_command
     from vismmoe_edge.server import serve_command
     from vismmoe_edge.service import install_service_command
@@ -239,6 +249,8 @@ def _register_commands() -> None:
     app.command("eval")(eval_command)
     app.command("analyze")(analyze_command)
     app.command("calibrate")(calibrate_command)
+    app.command("train-predictor")(train_predictor_command)
+    app.command("export-predictor")(export_predictor_command)
 
 
 _register_commands()

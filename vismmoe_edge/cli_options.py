@@ -32,7 +32,11 @@ PolicyOpt = Annotated[
     str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
 ]
 PredictorOpt = Annotated[
-    str, typer.Option("--predictor", help="prefetch driver: none (demand only, LRU), next-layer-gate, previous-token")
+    str, typer.Option(
+        "--predictor",
+        help="prefetch driver: auto (the learned vismmoe-predictor.onnx beside the model if present, else none), "
+        "none, learned, next-layer-gate, previous-token, or a .onnx file",
+    ),
 ]
 CompressorOpt = Annotated[
     str,

@@ -216,7 +216,7 @@ def eval_command(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")] = "auto",
     tier: TierOpt = "auto",
-    predictor: PredictorOpt = "none",
+    predictor: PredictorOpt = "auto",
     policy: PolicyOpt = "lru",
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,

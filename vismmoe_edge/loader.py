@@ -36,14 +36,58 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
     return []
 
 
-PREDICTORS = ("none", "next-layer-gate", "previous-token")
+PREDICTORS = ("none", "next-layer-gate", "previous-token", "learned", "auto")
+
+
+def find_learned_predictor(name: str, model_dir: Path) -> Path | None:
+    """The ONNX file a predictor option names: an explicit .onnx path, or the one beside the checkpoint for
+    "learned" (required) and "auto" (used when present)."""
+    from vismmoe_edge.predict.onnx_runtime import PREDICTOR_FILENAME
+
+    if name.endswith(".onnx"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise VismmoeError(f"--predictor {name}: file not found")
+        return path
+    if name not in ("learned", "auto"):
+        return None
+    path = model_dir / PREDICTOR_FILENAME
+    if path.is_file():
+        return path
+    if name == "learned":
+        raise VismmoeError(
+            f"--predictor learned: no {PREDICTOR_FILENAME} in {model_dir}; make one with calibrate, "
+            "train-predictor and export-predictor --model DIR"
+        )
+    return None
+
+
+def make_learned_predictor(path: Path, engine: Engine) -> Predictor:
+    from vismmoe_edge.predict.learned import LearnedPredictor
+    from vismmoe_edge.predict.onnx_runtime import PredictorSession
+
+    try:
+        session = PredictorSession(path, prefer_gpu=engine.device.type == "cuda")
+    except VismmoeError:
+        # onnxruntime missing or unable to run the file: the torch checkpoint saved beside it, if any
+        fallback = path.with_suffix(".pt")
+        if not fallback.is_file():
+            raise
+        from vismmoe_edge.predict.onnx_runtime import TorchPredictorSession
+        from vismmoe_edge.predictor_cli import load_checkpoint
+
+        session = TorchPredictorSession(load_checkpoint(fallback))
+    try:
+        return LearnedPredictor(session, session.metadata, engine)
+    except ValueError as e:
+        raise VismmoeError(f"{path}: {e}") from None
 
 
 def make_predictor(name: str, model: object, moe_layers: list[int]) -> Predictor | None:
     from vismmoe_edge.predict.simple import NextLayerGatePredictor, PreviousTokenPredictor
 
-    if name == "none":
-        return None
+    if name in ("none", "learned", "auto") or name.endswith(".onnx"):
+        return None  # the learned predictor needs the engine: attached after it is built
     layers = model.model.language_model.layers  # type: ignore[attr-defined]
     top_k = layers[moe_layers[0]].mlp.gate.top_k
     if name == "next-layer-gate":
@@ -93,7 +137,9 @@ def load(
     tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, managed:
         for Jetson and CPU hosts), "mmap" (the page cache, unmanaged: a baseline), "auto" (gpu on CUDA, else
         host).
-    predictor: what drives prefetch: "none" (demand only), "next-layer-gate", "previous-token".
+    predictor: what drives prefetch: "none" (demand only), "next-layer-gate", "previous-token", "learned" (the
+        vismmoe-predictor.onnx beside the checkpoint), "auto" (learned when that file exists, else none), or
+        the path of a .onnx file.
     policy: which finished expert leaves first: "lru" (least recently used) or "popularity" (the one the
         fewest tokens routed to, decayed; then least recently used).
     """
@@ -114,8 +160,9 @@ def load(
 
     if policy not in POLICIES:
         raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
-    if predictor not in PREDICTORS:  # before the model is built, not after
-        raise VismmoeError(f"--predictor {predictor!r}: use one of {', '.join(PREDICTORS)}")
+    if predictor not in PREDICTORS and not predictor.endswith(".onnx"):  # before the model is built, not after
+        raise VismmoeError(f"--predictor {predictor!r}: use one of {', '.join(PREDICTORS)}, or a .onnx file")
+    learned = find_learned_predictor(predictor, model_dir)
     moe_layers = catalogue.moe_layers
     if not 0 <= pinned_layers <= len(moe_layers):
         raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")
@@ -130,7 +177,7 @@ def load(
     if runtime.pipeline.tier.name in ("unified", "mmap"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
     attach_predictor(runtime, make_predictor(predictor, model, catalogue.moe_layers))
-    return Engine(
+    engine = Engine(
         model,
         processor,
         runtime,
@@ -142,3 +189,6 @@ def load(
         is_demo=is_demo,
         pinned_layers=pinned_layers,
     )
+    if learned is not None:
+        attach_predictor(runtime, make_learned_predictor(learned, engine))
+    return engine

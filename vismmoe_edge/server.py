@@ -745,7 +745,7 @@ class ServeOptions:
     device: str = "auto"
     dtype: str = "auto"
     tier: str = "auto"
-    predictor: str = "none"
+    predictor: str = "auto"
     policy: str = "lru"
     compression: Any = None  # a CompressionConfig (imported lazily: `serve --help` must not load torch)
     profile: str = "auto"
@@ -1463,8 +1463,11 @@ def serve_command(
     dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")] = "auto",
     tier: Annotated[str, typer.Option("--tier", help="cache: auto (the plan's), host, gpu, unified, mmap")] = "auto",
     predictor: Annotated[
-        str, typer.Option("--predictor", help="prefetch driver: none, next-layer-gate, previous-token")
-    ] = "none",
+        str,
+        typer.Option(
+            "--predictor", help="prefetch driver: auto, none, learned, next-layer-gate, previous-token, or a .onnx file"
+        ),
+    ] = "auto",
     policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,

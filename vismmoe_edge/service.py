@@ -70,7 +70,13 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
         "auto",
         "Cache slots: auto (the plan's), host, gpu, unified (the page cache), mmap.",
     ),
-    ServeSetting("VISMMOE_EDGE_PREDICTOR", "--predictor", "none", "Prefetch: none, next-layer-gate, previous-token."),
+    ServeSetting(
+        "VISMMOE_EDGE_PREDICTOR",
+        "--predictor",
+        "auto",
+        "Prefetch: auto (the learned vismmoe-predictor.onnx beside the model if present, else none), none,\n"
+        "learned, next-layer-gate, previous-token, or a .onnx file.",
+    ),
     ServeSetting("VISMMOE_EDGE_POLICY", "--policy", "lru", "Eviction: lru or popularity."),
     ServeSetting(
         "VISMMOE_EDGE_COMPRESSOR",
@@ -474,7 +480,9 @@ def install_service_command(
         int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
     ] = None,
     tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
-    predictor: Annotated[str, typer.Option("--predictor", help="none, next-layer-gate, previous-token")] = "none",
+    predictor: Annotated[
+        str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
+    ] = "auto",
     policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
     compressor: Annotated[
         str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
