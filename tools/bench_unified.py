@@ -38,6 +38,7 @@ STRATEGIES = {  # name -> (tier, predictor, eviction policy)
     "popularity": ("unified", "none", "popularity"),
     "popularity+previous-token": ("unified", "previous-token", "popularity"),
     "popularity+next-layer-gate": ("unified", "next-layer-gate", "popularity"),
+    "popularity+learned": ("unified", "learned-file", "popularity"),  # --predictor-file, an exported ONNX
 }
 
 
@@ -72,6 +73,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(2)
     tier, predictor, policy = STRATEGIES.get(args.strategy, ("host", "none", "lru"))
+    if predictor == "learned-file":
+        predictor = str(args.predictor_file)
     info = describe_checkpoint(args.model)
     baseline_rss = rss_bytes()  # python + torch + transformers, before any weight
     if args.strategy == "resident":
@@ -200,6 +203,8 @@ def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, sh
         "--margin-mib",
         str(args.margin_mib),
     ]
+    if args.predictor_file:
+        cmd += ["--predictor-file", str(args.predictor_file)]
     if args.trace:
         cmd += ["--trace", str(args.trace)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
@@ -282,6 +287,10 @@ def main() -> None:
     ap.add_argument("--llama-gguf", type=Path, help="the same checkpoint as GGUF, to add llama.cpp as a baseline")
     ap.add_argument("--llama-build", type=Path, help="llama.cpp build directory (bin/llama-bench)")
     ap.add_argument("--llama-tokens", type=int, default=32)
+    ap.add_argument("--predictor-file", type=Path, help="an exported predictor for the popularity+learned strategy")
+    ap.add_argument(
+        "--starts", help="comma-separated trace tokens where the repeats start (default 1000, 2000, ...)"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--start-token", type=int, default=0, help=argparse.SUPPRESS)
@@ -306,10 +315,15 @@ def main() -> None:
     strategies = args.strategies.split(",")
     if args.routing == "replay":  # it guesses from the model's router, which replayed routing ignores
         strategies = [s for s in strategies if "next-layer-gate" not in s]
+    if args.predictor_file is None:
+        strategies = [s for s in strategies if "learned" not in s]
     bandwidth = disk_bandwidth(catalogue)
     print(f"disk: {bandwidth:.2f} GB/s for cold expert-sized preads", flush=True)
 
-    starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
+    if args.starts:
+        starts = [int(s) for s in args.starts.split(",")]
+    else:
+        starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
     resident = median_of([run_trial(args, "resident", None, shards, s) for s in starts])
     print("resident", resident, flush=True)
     results = [{**resident, "cap": None}]
@@ -343,7 +357,9 @@ def main() -> None:
         "trace": str(args.trace) if args.trace else None,
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": args.tokens,
-        "repeats": args.repeats,
+        "repeats": len(starts),
+        "starts": starts,
+        "predictor_file": str(args.predictor_file) if args.predictor_file else None,
         "disk_gb_s": bandwidth,
         "results": results,
     }
