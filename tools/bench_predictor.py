@@ -44,6 +44,26 @@ def time_calls(call, runs: int, warmup: int, sync=None, desc: str = "") -> dict[
     return percentiles(samples)
 
 
+def time_form(form: str, args: argparse.Namespace) -> list[dict]:
+    model = LookaheadMLP(args.layers, args.experts, args.hidden, form=form).eval()
+    inputs = random_inputs(model.metadata(), batch=1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        session = PredictorSession(export_onnx(model, Path(tmp) / "p.onnx"), prefer_gpu=False, threads=args.threads)
+        timing = time_calls(lambda: session.run(*inputs), args.runs, args.warmup, desc=form)
+        rows.append({"form": form, "runtime": f"onnxruntime {session.provider}", **timing})
+    tensors = [torch.from_numpy(a) for a in inputs]
+    with torch.inference_mode():
+        timing = time_calls(lambda: model(*tensors), args.runs, args.warmup, desc=form)
+        rows.append({"form": form, "runtime": "torch cpu", **timing})
+        if torch.cuda.is_available():
+            gpu, on_gpu = model.cuda(), [t.cuda() for t in tensors]
+            # a call ends when its scores are on the host: the pipeline needs them there
+            timing = time_calls(lambda: torch.sigmoid(gpu(*on_gpu)).cpu(), args.runs, args.warmup, desc=form)
+            rows.append({"form": form, "runtime": f"torch {torch.cuda.get_device_name(0)}", **timing})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=48)
@@ -57,25 +77,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for form in ("per_layer", "window"):
-        model = LookaheadMLP(args.layers, args.experts, args.hidden, form=form).eval()
-        meta = model.metadata()
-        inputs = random_inputs(meta, batch=1)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = export_onnx(model, Path(tmp) / "p.onnx")
-            session = PredictorSession(path, prefer_gpu=False, threads=args.threads)
-            rows.append({"form": form, "runtime": f"onnxruntime {session.provider}",
-                         **time_calls(lambda s=session: s.run(*inputs), args.runs, args.warmup, desc=form)})  # fmt: skip
-        tensors = [torch.from_numpy(a) for a in inputs]
-        with torch.inference_mode():
-            rows.append({"form": form, "runtime": "torch cpu",
-                         **time_calls(lambda: model(*tensors), args.runs, args.warmup, desc=form)})  # fmt: skip
-            if torch.cuda.is_available():
-                gpu = model.cuda()
-                on_gpu = [t.cuda() for t in tensors]
-                # a call ends when its scores are on the host: the pipeline needs them there
-                rows.append({"form": form, "runtime": f"torch {torch.cuda.get_device_name(0)}",
-                             **time_calls(lambda: torch.sigmoid(gpu(*on_gpu)).cpu(), args.runs, args.warmup,
-                                          desc=form)})  # fmt: skip
+        rows += time_form(form, args)
     print(f"| form | runtime | P50 ms | P99 ms |  (L={args.layers}, E={args.experts}, D={args.hidden}, batch 1)")
     print("|---|---|---:|---:|")
     for r in rows:
