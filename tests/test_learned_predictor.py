@@ -43,6 +43,7 @@ def test_run_finds_and_uses_the_predictor(model_with_predictor: Path, images: li
     assert plain.experts.predictor is None
     assert isinstance(learned.experts.predictor, LearnedPredictor)
     assert learned.experts.predictor.provider == "CPUExecutionProvider"
+    learned.experts.predictor.min_score = 0.0  # a 3-epoch predictor is rarely confident: exercise the fetch path
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
     a = plain.generate("What is this?", [images[0]], sampling)
     b = learned.generate("What is this?", [images[0]], sampling)
@@ -78,3 +79,16 @@ def test_torch_fallback_when_onnx_cannot_run(model_with_predictor: Path, tmp_pat
     engine = vismmoe_edge.load(model_dir, predictor="auto", device="cpu")
     assert engine.experts.predictor.provider == "torch"
     assert engine.experts.predictor.predict(0, torch.zeros(3, engine.text_config.hidden_size), None)
+
+
+def test_min_score_filters_requests(model_with_predictor: Path) -> None:
+    engine = vismmoe_edge.load(model_with_predictor, predictor="auto", device="cpu")
+    predictor = engine.experts.predictor
+    hidden = torch.randn(3, engine.text_config.hidden_size)
+    predictor.observe(engine.catalogue.moe_layers[0], hidden, torch.zeros(3, 4, dtype=torch.long), None)
+    predictor.min_score = 0.0
+    everything = predictor.predict(engine.catalogue.moe_layers[0], hidden, None)
+    assert len(everything) == 5 * min(predictor.top_b, engine.catalogue.num_experts)  # top-B for each of W layers
+    predictor.min_score = 0.5
+    confident = predictor.predict(engine.catalogue.moe_layers[0], hidden, None)
+    assert confident == [r for r in everything if r[1] >= 0.5]

@@ -39,6 +39,7 @@ STRATEGIES = {  # name -> (tier, predictor, eviction policy)
     "popularity+previous-token": ("unified", "previous-token", "popularity"),
     "popularity+next-layer-gate": ("unified", "next-layer-gate", "popularity"),
     "popularity+learned": ("unified", "learned-file", "popularity"),  # --predictor-file, an exported ONNX
+    "popularity+learned-unfiltered": ("unified", "learned-file", "popularity"),  # no score threshold
 }
 
 
@@ -88,6 +89,8 @@ def worker(args: argparse.Namespace) -> dict:
     )
     if args.routing == "replay":
         engine.replay_routing(args.trace, start_token=args.start_token)
+    if args.strategy.endswith("learned-unfiltered"):
+        engine.experts.predictor.min_score = 0.0
     pipeline = engine.experts.pipeline
     routes: list[list[int]] = []  # the keys each MoE layer call used, for Belady on this trial's own routing
     engine.experts.route_hooks.append(
@@ -327,7 +330,7 @@ def main() -> None:
     resident = median_of([run_trial(args, "resident", None, shards, s) for s in starts])
     print("resident", resident, flush=True)
     results = [{**resident, "cap": None}]
-    bar = tqdm(total=len(caps) * len(strategies) * args.repeats, desc="trials")
+    bar = tqdm(total=len(caps) * len(strategies) * len(starts), desc="trials")
     for cap in caps:
         cap_bytes = int(cap * checkpoint_bytes)
         rows = []
