@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
-from vismmoe_edge.checkpoint import read_tensor_table
+from vismmoe_edge.checkpoint import TensorInfo, read_tensor_table
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.models import qwen3_vl_moe
+from vismmoe_edge.models.registry import model_family
 from vismmoe_edge.units import format_bytes
+
+# Resident parts worth naming: always-on shared experts (GLM-4.5V) and the MLPs of dense decoder layers
+# (GLM's first_k_dense_replace, Qwen's mlp_only_layers).
+SHARED_EXPERT_KEY = re.compile(r"\.layers\.\d+\.mlp\.shared_experts?\.")
+DENSE_MLP_KEY = re.compile(r"\.layers\.(?P<layer>\d+)\.mlp\.(gate|up|down)_proj\.weight$")
+
+
+def resident_parts(resident: dict[str, TensorInfo]) -> dict[str, int]:
+    """Bytes of the shared experts and of the dense-layer MLPs among the resident tensors."""
+    shared = sum(i.nbytes for n, i in resident.items() if SHARED_EXPERT_KEY.search(n))
+    dense = {n: i for n, i in resident.items() if DENSE_MLP_KEY.search(n)}
+    return {
+        "shared_expert_bytes": shared,
+        "dense_mlp_bytes": sum(i.nbytes for i in dense.values()),
+        "dense_mlp_layers": len({DENSE_MLP_KEY.search(n)["layer"] for n in dense}),  # type: ignore[index]
+    }
 
 
 def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[str, Any]:
     """Sizes are as stored in the checkpoint (its dtype); the budget is read against the same bytes."""
-    config = qwen3_vl_moe.read_config(model_dir)
-    table = read_tensor_table(model_dir)
-    catalogue = qwen3_vl_moe.catalogue_for(config, table)
+    family = model_family(model_dir)
+    config = family.read_config(model_dir)
+    table = family.select_tensors(config, read_tensor_table(model_dir))
+    catalogue = family.catalogue_for(config, table)
     text = config.text_config
     layer_bytes = catalogue.layer_bytes(catalogue.moe_layers[0])
     total = catalogue.total_bytes
-    resident = sum(info.nbytes for name, info in table.items() if name not in catalogue.tensor_names)
+    resident_tensors = {name: info for name, info in table.items() if name not in catalogue.tensor_names}
+    resident = sum(info.nbytes for info in resident_tensors.values())
     budget = parse_budget(memory_budget, total)
     fits = [
         {"pinned_layers": n, "pinned_bytes": n * layer_bytes, "cache_bytes": budget - n * layer_bytes}
@@ -28,17 +47,18 @@ def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[st
     ]
     return {
         "model_dir": str(model_dir),
-        "architecture": qwen3_vl_moe.ARCHITECTURE,
+        "architecture": family.architecture,
         "expert_layout": catalogue.layout,
         "dtype": catalogue.dtype,
         "layers": text.num_hidden_layers,
         "moe_layers": len(catalogue.moe_layers),
         "experts_per_layer": catalogue.num_experts,
         "top_k": text.num_experts_per_tok,
-        "shared_experts": 0,
+        "shared_experts": family.shared_experts(config),
         "bytes_per_expert": catalogue.expert_bytes,
         "expert_bytes_per_layer": layer_bytes,
         "resident_bytes": resident,
+        **resident_parts(resident_tensors),
         "total_expert_bytes": total,
         "memory_budget": memory_budget,
         "memory_budget_bytes": budget,
@@ -55,6 +75,13 @@ def format_description(d: dict[str, Any]) -> str:
         f"experts        {d['experts_per_layer']} per layer, top-{d['top_k']}, {d['shared_experts']} shared",
         f"per expert     {format_bytes(d['bytes_per_expert'])} ({format_bytes(d['expert_bytes_per_layer'])} per layer)",
         f"resident       {format_bytes(d['resident_bytes'])} of non-expert weights (always in memory)",
+    ]
+    if d["shared_expert_bytes"] or d["dense_mlp_bytes"]:
+        lines.append(
+            f"  of which     {format_bytes(d['shared_expert_bytes'])} shared experts, "
+            f"{format_bytes(d['dense_mlp_bytes'])} dense MLPs ({d['dense_mlp_layers']} dense layers)"
+        )
+    lines += [
         f"experts total  {format_bytes(d['total_expert_bytes'])}",
         f"budget         {d['memory_budget']} = {format_bytes(d['memory_budget_bytes'])} of expert memory",
     ]

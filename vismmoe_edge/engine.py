@@ -1,8 +1,9 @@
-"""Our own prefill layer loop and decode loop over transformers' Qwen3-VL-MoE layers.
+"""Our own prefill layer loop and decode loop over transformers' decoder layers (Qwen3-VL-MoE, GLM-4.5V).
 
 transformers' `generate` cannot continue a sequence that was shortened mid-stack, and visual-token
 compression needs exactly that, so the engine owns the loop: embeddings, M-RoPE positions computed once,
-the DeepStack injections after the first layers, a DynamicCache, sampling and streaming.
+the DeepStack injections after the first layers (Qwen), a DynamicCache, sampling and streaming. What
+differs per model family sits behind `PrefillOps` (vismmoe_edge/models/prefill_ops.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from vismmoe_edge.compress.prune import (
     select_per_image,
 )
 from vismmoe_edge.compress.saliency import VisionSaliency
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
+from vismmoe_edge.models.prefill_ops import PrefillOps, ops_for_model
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.telemetry import TraceRecorder
@@ -109,8 +112,10 @@ class Engine:
         eos_token_ids: list[int],
         is_demo: bool = False,
         pinned_layers: int = 0,
+        ops: PrefillOps | None = None,
     ) -> None:
         self.model = model
+        self.ops = ops if ops is not None else ops_for_model(model)  # the family's vision/positions/DeepStack
         self.processor = processor
         self.experts = experts
         self.catalogue = catalogue
@@ -129,6 +134,20 @@ class Engine:
         # flight that are visual tokens (None: every row), and the mean of the kept visual embeddings.
         self.interest_rows: torch.Tensor | None = None
         self.visual_summary: torch.Tensor | None = None
+
+    @property
+    def compression(self) -> CompressionConfig:
+        return self._compression
+
+    @compression.setter
+    def compression(self, config: CompressionConfig) -> None:
+        # Refused here, where every caller (run, serve, analyze, calibrate) sets it, not mid-request.
+        if config.method != "none" and not self.ops.supports_compression:
+            raise VismmoeError(
+                f"--compressor {config.method}: visual-token compression is not supported for "
+                f"{self.ops.model_type} yet; use --compressor none"
+            )
+        self._compression = config
 
     # ---- inputs -------------------------------------------------------------------------------------
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
@@ -175,10 +194,10 @@ class Engine:
             start = time.perf_counter()
             grid = inputs.image_grid_thw.to(self.device)
             with saliency if saliency is not None else contextlib.nullcontext():
-                vision = self.model.model.get_image_features(inputs.pixel_values.to(self.device, self.dtype), grid)
+                visual = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
             timings.vision_s = time.perf_counter() - start
-            image_embeds = torch.cat(vision.pooler_output).to(hidden.dtype)
-            deepstack = [torch.cat(features) for features in vision.deepstack_features]
+            image_embeds = visual.embeds.to(hidden.dtype)
+            deepstack = visual.deepstack
             visual_mask = input_ids == self.model.config.image_token_id
             if int(visual_mask.sum()) != image_embeds.shape[0]:
                 raise ValueError(
@@ -186,14 +205,12 @@ class Engine:
                 )
             hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
             self.interest_rows, self.visual_summary = visual_mask[0], image_embeds.float().mean(dim=0)
-            positions, _ = self.model.model.get_rope_index(
-                input_ids, mm_token_type_ids=inputs.mm_token_type_ids.to(self.device), image_grid_thw=grid
-            )
+            positions = self.ops.rope_positions(self.model, input_ids, inputs.mm_token_type_ids.to(self.device), grid)
         else:
             positions = torch.arange(input_ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
         cache = DynamicCache(config=self.text_config)
-        cos_sin = lm.rotary_emb(hidden, positions)
+        cos_sin = self.ops.rotary(lm, hidden, positions)
         mask = create_causal_mask(
             config=self.text_config,
             inputs_embeds=hidden,
@@ -225,7 +242,7 @@ class Engine:
                     kept_visual = self.last_compression.kept_visual_mask
                     self.interest_rows = visual_mask[0]
                     self.visual_summary = image_embeds[kept_visual.to(image_embeds.device)].float().mean(dim=0)
-                    cos_sin = lm.rotary_emb(hidden, positions)
+                    cos_sin = self.ops.rotary(lm, hidden, positions)
                     mask = create_causal_mask(
                         config=self.text_config,
                         inputs_embeds=hidden,
@@ -234,8 +251,7 @@ class Engine:
                     )
                     timings.compress_s = self.last_compression.seconds = time.perf_counter() - start
                 hidden = layer(hidden, attention_mask=mask, cache=cache, position_embeddings=cos_sin)
-                if i < len(deepstack) and visual_mask is not None:
-                    hidden = lm._deepstack_process(hidden, visual_mask, deepstack[i])
+                hidden = self.ops.after_layer(lm, i, hidden, visual_mask, deepstack)
         finally:
             if route_hook is not None:
                 self.experts.route_hooks.remove(route_hook)
@@ -316,7 +332,7 @@ class Engine:
             observer.begin_step("decode", 1)
         hidden = lm.embed_tokens(torch.tensor([[token_id]], device=self.device))
         positions = torch.full((3, 1, 1), state.next_position, device=self.device, dtype=torch.long)
-        cos_sin = lm.rotary_emb(hidden, positions)
+        cos_sin = self.ops.rotary(lm, hidden, positions)
         mask = create_causal_mask(
             config=self.text_config,
             inputs_embeds=hidden,

@@ -14,7 +14,7 @@ from vismmoe_edge.experts.compute import Predictor
 from vismmoe_edge.experts.pipeline import POLICIES
 from vismmoe_edge.experts.runtime import attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
-from vismmoe_edge.models import qwen3_vl_moe
+from vismmoe_edge.models.registry import model_family
 
 
 def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[int]:
@@ -91,7 +91,9 @@ def make_predictor(name: str, model: object, moe_layers: list[int]) -> Predictor
     layers = model.model.language_model.layers  # type: ignore[attr-defined]
     top_k = layers[moe_layers[0]].mlp.gate.top_k
     if name == "next-layer-gate":
-        gates = {i: layers[i].mlp.gate.weight for i in moe_layers}
+        # GLM keeps its routers in fp32 under bf16/fp16; the predictor multiplies them with compute-dtype states
+        dtype = model.lm_head.weight.dtype  # type: ignore[attr-defined]
+        gates = {i: layers[i].mlp.gate.weight.to(dtype) for i in moe_layers}
         return NextLayerGatePredictor(gates, top_b=2 * top_k)
     return PreviousTokenPredictor(moe_layers)
 
@@ -128,7 +130,7 @@ def load(
     predictor: str = "none",
     policy: str = "lru",
 ) -> Engine:
-    """Load a Qwen3-VL-MoE checkpoint with its routed experts left on disk.
+    """Load a Qwen3-VL-MoE or GLM-4.5V checkpoint with its routed experts left on disk.
 
     model_dir: a Hugging Face model directory; None uses the built-in demo model (created on first use).
     memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
@@ -143,20 +145,19 @@ def load(
     policy: which finished expert leaves first: "lru" (least recently used) or "popularity" (the one the
         fewest tokens routed to, decayed; then least recently used).
     """
-    from vismmoe_edge.processor import load_processor
-
     is_demo = model_dir is None
     if model_dir is None:
         from vismmoe_edge.demo import ensure_demo_model
 
         model_dir = ensure_demo_model()
     model_dir = Path(model_dir).expanduser()
-    config = qwen3_vl_moe.read_config(model_dir)
-    table = read_tensor_table(model_dir)
-    catalogue = qwen3_vl_moe.catalogue_for(config, table)
+    family = model_family(model_dir)  # by config.json's model_type; anything else is one-line refused
+    config = family.read_config(model_dir)
+    table = family.select_tensors(config, read_tensor_table(model_dir))
+    catalogue = family.catalogue_for(config, table)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, TORCH_DTYPES[catalogue.dtype], torch_device)
-    processor = load_processor(model_dir)
+    processor = family.load_processor(model_dir)
 
     if policy not in POLICIES:
         raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -173,7 +174,7 @@ def load(
     runtime = build_runtime(
         store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier, policy=policy
     )
-    model = qwen3_vl_moe.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
+    model = family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
     if runtime.pipeline.tier.name in ("unified", "mmap"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
     attach_predictor(runtime, make_predictor(predictor, model, catalogue.moe_layers))
@@ -188,6 +189,7 @@ def load(
         eos_token_ids=eos_token_ids(model_dir, config, processor.tokenizer),
         is_demo=is_demo,
         pinned_layers=pinned_layers,
+        ops=family.ops,
     )
     if learned is not None:
         attach_predictor(runtime, make_learned_predictor(learned, engine))

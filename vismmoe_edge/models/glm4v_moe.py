@@ -1,0 +1,112 @@
+"""GLM-4.5V: build transformers' own model without its routed experts, and load everything else.
+
+The skeleton is transformers' `Glm4vMoeForConditionalGeneration` with parameters on the meta device. Decoder
+layers >= `first_k_dense_replace` are MoE blocks (`Glm4vMoeTextMoE`): their `mlp.experts` is swapped for
+`OffloadedExperts`, while the router (`mlp.gate`: fp32 weight + `e_score_correction_bias` buffer), the shared
+experts and the dense MLPs of the first layers stay resident. The block itself still runs the router and adds
+the shared experts, so the experts we fetch are exactly the ones the model's own router chose.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.compute import ExpertRuntime, OffloadedExperts
+from vismmoe_edge.experts.store import ShardFiles
+from vismmoe_edge.models.qwen3_vl_moe import parameters_on_meta
+from vismmoe_edge.models.resident import load_resident_weights
+
+ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
+MODEL_TYPE = "glm4v_moe"
+
+_TEXT_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.")  # the vision tower has `blocks`, not layers
+
+
+def read_config(directory: Path) -> Glm4vMoeConfig:
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VismmoeError(f"{path}: cannot read config.json ({e})") from e
+    try:
+        config = Glm4vMoeConfig.from_dict(raw)
+    except (TypeError, ValueError, KeyError) as e:
+        raise VismmoeError(f"{path}: invalid {MODEL_TYPE} config ({e})") from e
+    text = config.text_config
+    if text.n_routed_experts % text.n_group or not 0 < text.topk_group <= text.n_group:
+        raise VismmoeError(
+            f"{path}: {text.n_routed_experts} routed experts in {text.n_group} groups, {text.topk_group} kept: "
+            "the router's group-limited top-k cannot run on that"
+        )
+    return config
+
+
+def select_tensors(config: Glm4vMoeConfig, table: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The tensors the model uses: GLM-4.5V checkpoints may carry a multi-token-prediction layer after the last
+    decoder layer (`layers.46`), which transformers ignores on load; so do we."""
+    layers = config.text_config.num_hidden_layers
+    return {
+        name: info
+        for name, info in table.items()
+        if (m := _TEXT_LAYER.search(name)) is None or int(m["layer"]) < layers
+    }
+
+
+def moe_layer_indices(config: Glm4vMoeConfig) -> list[int]:
+    text = config.text_config
+    return list(range(text.first_k_dense_replace, text.num_hidden_layers)) if text.n_routed_experts > 0 else []
+
+
+def catalogue_for(config: Glm4vMoeConfig, table: dict[str, TensorInfo]) -> ExpertCatalogue:
+    text = config.text_config
+    catalogue = build_expert_catalogue(
+        table, num_experts=text.n_routed_experts, hidden=text.hidden_size, inter=text.moe_intermediate_size
+    )
+    expected = moe_layer_indices(config)
+    if catalogue.moe_layers != expected:
+        raise VismmoeError(f"checkpoint has experts for layers {catalogue.moe_layers}, config.json implies {expected}")
+    return catalogue
+
+
+def build_model(
+    config: Glm4vMoeConfig,
+    table: dict[str, TensorInfo],
+    catalogue: ExpertCatalogue,
+    files: ShardFiles,
+    runtime: ExpertRuntime,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Glm4vMoeForConditionalGeneration:
+    """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
+    with parameters_on_meta():
+        model = Glm4vMoeForConditionalGeneration(config)
+    layers = model.model.language_model.layers
+    for layer in catalogue.moe_layers:
+        experts = layers[layer].mlp.experts
+        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, experts.act_fn)
+
+    tied = bool(config.tie_word_embeddings)
+    load_resident_weights(
+        model,
+        table,
+        catalogue,
+        files,
+        dtype=dtype,
+        device=device,
+        tied_head=tied,
+        # the router scores in fp32 and transformers keeps its weight and bias fp32 under bf16/fp16
+        keep_fp32=model._keep_in_fp32_modules_strict,
+    )
+    if tied:
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    model.to(device)  # buffers (RoPE frequencies) were built on the CPU
+    model.eval()
+    return model
