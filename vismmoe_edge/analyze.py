@@ -261,6 +261,8 @@ def analyze_command(
 
     try:
         methods = [m.strip() for m in compressors.split(",") if m.strip()]
+        if not methods:
+            raise VismmoeError(f"--compressors: name at least one of {', '.join(METHODS)}")
         configs = [CompressionConfig(m, keep_ratio, salient_ratio, affinity_weight) for m in methods]
         for config in configs:
             config.validate()
