@@ -38,8 +38,10 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vismmoe_edge import shapes_vqa as sv  # noqa: E402
+from vismmoe_edge.demo import tiny_config  # noqa: E402
 from vismmoe_edge.processor import CHAT_TEMPLATE, build_offline_processor, build_offline_tokenizer  # noqa: E402
-from vismmoe_edge.vqa_scoring import normalize_answer  # noqa: E402
+from vismmoe_edge.prompt import build_messages  # noqa: E402
+from vismmoe_edge.vqa_scoring import Scoreboard  # noqa: E402
 
 MIN_PIXELS = 32 * 32 * 4
 MAX_PIXELS = 32 * 32 * 1089  # the largest Shapes-VQA image (1056 x 1056) passes unresized
@@ -71,54 +73,30 @@ def build_processor():
 
 
 def model_config(tokenizer) -> Qwen3VLMoeConfig:
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    hidden, head_dim = 192, 48
-    text_config = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,  # dense MLP; unused (no mlp_only_layers)
-        "moe_intermediate_size": 48,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": head_dim,
-        "num_experts": 32,
-        "num_experts_per_tok": 4,
-        "norm_topk_prob": True,
-        "router_aux_loss_coef": 0.01,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
+    """The shipped model's shape: demo.tiny_config, widened (see the module docstring)."""
+    return tiny_config(
+        num_layers=8,
+        num_experts=32,
+        top_k=4,
+        hidden=192,
+        moe_intermediate=48,
+        tokenizer=tokenizer,
+        head_dim=48,
+        intermediate_size=4 * 192,  # dense MLP; unused (no mlp_only_layers)
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        rope_parameters={
             "rope_type": "default",
             "rope_theta": 100_000.0,
             "mrope_section": [8, 8, 8],  # sums to head_dim // 2
             "mrope_interleaved": True,
         },
-        "tie_word_embeddings": False,
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-    }
-    vision_config = {
-        "depth": 4,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_heads": 4,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": hidden,
-        "num_position_embeddings": 1024,  # a 32x32 grid, interpolated to each image
-        "deepstack_visual_indexes": [1, 2, 3],
-    }
-    return Qwen3VLMoeConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
-        tie_word_embeddings=False,
+        vision_overrides={
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 4,
+            "num_position_embeddings": 1024,  # a 32x32 grid, interpolated to each image
+        },
     )
 
 
@@ -358,19 +336,16 @@ def pick_experts_implementation(model: Qwen3VLMoeForConditionalGeneration, devic
 def quick_eval(model, processor, split: str, n: int, device: torch.device) -> dict[str, float]:
     """Greedy answers to the first `n` examples of a split (one question per image, as `vismmoe-edge eval`)."""
     seed, _ = sv.SPLITS[split]
-    correct: dict[str, list[int]] = defaultdict(list)
+    board = Scoreboard()
     eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     for ex in tqdm(sv.generate_split(split, n, seed, shifted=split in sv.SHIFTED_SPLITS), desc=f"eval {split}"):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ex.question}]}]
-        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = processor.apply_chat_template(build_messages(ex.question, 1), tokenize=False, add_generation_prompt=True)
         enc = processor(text=[text], images=[sv.render(ex.scene)], return_tensors="pt").to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=eos)
         answer = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct[ex.family].append(int(normalize_answer(answer) == normalize_answer(ex.answer)))
-    scores = {f: sum(v) / len(v) for f, v in sorted(correct.items())}
-    scores["overall"] = sum(sum(v) for v in correct.values()) / sum(len(v) for v in correct.values())
-    return scores
+        board.add(ex.family, answer, ex.answer)
+    return board.accuracy()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,7 +33,7 @@ from vismmoe_edge.cli_options import (
 )
 from vismmoe_edge.compress.prune import METHODS, CompressionConfig, keep_mask
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.evaluate import VQAItem, folder_items, shapes_vqa_items
+from vismmoe_edge.evaluate import VQAItem, load_items
 from vismmoe_edge.routing_stats import top_share
 
 CATEGORIES = ("text", "visual", "kept_visual")
@@ -264,13 +264,7 @@ def analyze_command(
         if not methods:
             raise VismmoeError(f"--compressors: name at least one of {', '.join(METHODS)}")
         configs = [CompressionConfig(m, keep_ratio, salient_ratio, affinity_weight) for m in methods]
-        for config in configs:
-            config.validate()
-        items = folder_items(data, limit=limit) if data is not None else None
-        if items is None:
-            if benchmark != "shapes-vqa":
-                raise VismmoeError(f"unknown benchmark {benchmark!r}; built in: shapes-vqa")
-            items = shapes_vqa_items(split, limit)
+        items = load_items(benchmark, split, data, limit=limit)
         memory_budget, pinned_layers, tier, plan_note = apply_plan(
             model, profile, memory_budget, pinned_layers, tier, device
         )

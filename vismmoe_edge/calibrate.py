@@ -47,27 +47,25 @@ def calibrate_command(
     MoE layer of every step, with the experts the next layers then used. Run it with the compressor you deploy."""
     from tqdm import tqdm
 
-    from vismmoe_edge.cli import apply_plan, fail
+    from vismmoe_edge.cli import fail, plan_and_load
     from vismmoe_edge.compress.prune import CompressionConfig
-    from vismmoe_edge.evaluate import folder_items, shapes_vqa_items
-    from vismmoe_edge.loader import load
+    from vismmoe_edge.evaluate import load_items
     from vismmoe_edge.predict.routing_features import FeatureRecorder
     from vismmoe_edge.sampling import SamplingConfig
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
-        compression.validate()
-        if data is not None:
-            items = folder_items(data, limit=limit)
-        elif benchmark == "shapes-vqa":
-            items = shapes_vqa_items(split, limit)
-        else:
-            raise VismmoeError(f"unknown benchmark {benchmark!r}; built in: shapes-vqa")
-        memory_budget, pinned_layers, tier, plan_note = apply_plan(
-            model, profile, memory_budget, pinned_layers, tier, device
+        items = load_items(benchmark, split, data, limit=limit)
+        engine, plan_note = plan_and_load(
+            model,
+            profile=profile,
+            memory_budget=memory_budget,
+            pinned_layers=pinned_layers,
+            tier=tier,
+            device=device,
+            predictor="none",  # calibration records routing; prefetching would only add I/O
+            compression=compression,
         )
-        engine = load(model, memory_budget=memory_budget, pinned_layers=pinned_layers, device=device, tier=tier)
-        engine.compression = compression
         recorder = FeatureRecorder(engine)
         for n, item in enumerate(tqdm(items, desc="calibrate", unit="prompt")):
             sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,6 +24,10 @@ from vismmoe_edge.cli_options import (
     TierOpt,
 )
 from vismmoe_edge.errors import VismmoeError
+
+if TYPE_CHECKING:
+    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.engine import Engine
 
 app = typer.Typer(
     help="Run vision-language MoE models larger than memory (Jetson Orin, desktop GPUs, CPU).",
@@ -74,7 +78,6 @@ def run(
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
-        compression.validate()
         images: list[Path] = list(image or [])
         if model is None:
             from vismmoe_edge.demo import ensure_sample_image
@@ -86,22 +89,18 @@ def run(
             )
             if not images:
                 images = [ensure_sample_image()]
-        from vismmoe_edge.loader import load
-
-        memory_budget, pinned_layers, tier, plan_note = apply_plan(
-            model, profile, memory_budget, pinned_layers, tier, device
-        )
-        engine = load(
+        engine, plan_note = plan_and_load(
             model,
+            profile=profile,
             memory_budget=memory_budget,
             pinned_layers=pinned_layers,
+            tier=tier,
             device=device,
             dtype=dtype,
-            tier=tier,
             predictor=predictor,
             policy=policy,
+            compression=compression,
         )
-        engine.compression = compression
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
@@ -162,6 +161,39 @@ def run(
         f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
         err=True,
     )
+
+
+def plan_and_load(
+    model: Path | None,
+    *,
+    profile: str,
+    memory_budget: str,
+    pinned_layers: int | None,
+    tier: str,
+    device: str,
+    dtype: str = "auto",
+    predictor: str = "auto",
+    policy: str = "lru",
+    compression: CompressionConfig | None = None,
+) -> tuple[Engine, str]:
+    """What run, eval and calibrate share: fill the options left to the planner, load, set compression.
+    Returns the engine and the plan's one-line note (empty when nothing was planned)."""
+    from vismmoe_edge.loader import load
+
+    memory_budget, pinned_layers, tier, note = apply_plan(model, profile, memory_budget, pinned_layers, tier, device)
+    engine = load(
+        model,
+        memory_budget=memory_budget,
+        pinned_layers=pinned_layers,
+        device=device,
+        dtype=dtype,
+        tier=tier,
+        predictor=predictor,
+        policy=policy,
+    )
+    if compression is not None:
+        engine.compression = compression
+    return engine, note
 
 
 def apply_plan(

@@ -51,6 +51,7 @@ def tiny_config(
     moe_intermediate: int = 48,
     vocab_size: int | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    vision_overrides: dict[str, object] | None = None,
     **text_overrides: object,
 ) -> Qwen3VLMoeConfig:
     """A ~3 M-parameter Qwen3-VL-MoE config with the special ids of `tokenizer` (default: the offline one)."""
@@ -100,6 +101,7 @@ def tiny_config(
         "out_hidden_size": hidden,
         "num_position_embeddings": 256,  # a 16x16 grid, bilinearly interpolated to any image size
         "deepstack_visual_indexes": [1, 2, 3],
+        **(vision_overrides or {}),
     }
     return Qwen3VLMoeConfig(
         text_config=text_config,

@@ -66,6 +66,17 @@ def shapes_vqa_items(split: str, limit: int | None = None) -> list[VQAItem]:
     return items
 
 
+def load_items(
+    benchmark: str | None, split: str, data: Path | None, questions: Path | None = None, limit: int | None = None
+) -> list[VQAItem]:
+    """A user folder when `data` is given, else the built-in benchmark's split."""
+    if data is not None:
+        return folder_items(data, questions, limit)
+    if benchmark not in BENCHMARKS:
+        raise VismmoeError(f"unknown benchmark {benchmark!r}; built in: {', '.join(BENCHMARKS)}")
+    return shapes_vqa_items(split, limit)
+
+
 def folder_items(folder: Path, questions: Path | None = None, limit: int | None = None) -> list[VQAItem]:
     """Read and check a user data set up front, so that a bad line fails before any model time is spent."""
     folder = Path(folder)
@@ -230,37 +241,29 @@ def eval_command(
 ) -> None:
     """Score a model on Shapes-VQA or on your own images + JSONL: exact-match accuracy per family, routing
     concentration and expert traffic, with the same memory options as `run`."""
-    from vismmoe_edge.cli import apply_plan, fail
+    from vismmoe_edge.cli import fail, plan_and_load
     from vismmoe_edge.compress.prune import CompressionConfig
-    from vismmoe_edge.loader import load
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
-        compression.validate()
         if (benchmark is None) == (data is None):
             raise VismmoeError("pass exactly one of --benchmark shapes-vqa or --data FOLDER")
-        if benchmark is not None and benchmark not in BENCHMARKS:
-            raise VismmoeError(f"unknown benchmark {benchmark!r}; built in: {', '.join(BENCHMARKS)}")
         if questions is not None and data is None:
             raise VismmoeError("--questions goes with --data FOLDER")
-        if data is not None:
-            items, title = folder_items(data, questions, limit), f"{data}"
-        else:
-            items, title = shapes_vqa_items(split, limit), f"shapes-vqa {split}"
-        memory_budget, pinned_layers, tier, plan_note = apply_plan(
-            model, profile, memory_budget, pinned_layers, tier, device
-        )
-        engine = load(
+        items = load_items(benchmark, split, data, questions, limit)
+        title = str(data) if data is not None else f"shapes-vqa {split}"
+        engine, plan_note = plan_and_load(
             model,
+            profile=profile,
             memory_budget=memory_budget,
             pinned_layers=pinned_layers,
+            tier=tier,
             device=device,
             dtype=dtype,
-            tier=tier,
             predictor=predictor,
             policy=policy,
+            compression=compression,
         )
-        engine.compression = compression
         sink = predictions.open("w") if predictions is not None else None
         try:
 

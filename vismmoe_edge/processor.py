@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import Qwen2Tokenizer
+from transformers import ProcessorMixin, Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
@@ -88,7 +88,10 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
         )
 
 
-def _train_bpe(corpus: Sequence[str], vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def train_bpe_tokenizer(
+    corpus: Sequence[str], vocab_size: int, special_tokens: list[str], *, eos_token: str, pad_token: str
+) -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer trained on `corpus`: deterministic, offline, never produces an unknown token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -96,7 +99,7 @@ def _train_bpe(corpus: Sequence[str], vocab_size: int) -> tuple[dict[str, int], 
         vocab_size=vocab_size,
         # The full byte alphabet means no input is ever unknown.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         show_progress=False,
     )
     # The trainer breaks count ties by pair order, so a fixed corpus gives a fixed vocab (checked by a test).
@@ -104,21 +107,16 @@ def _train_bpe(corpus: Sequence[str], vocab_size: int) -> tuple[dict[str, int], 
     model = json.loads(tok.to_str())["model"]
     # Merges must be tuples: Qwen2Tokenizer rejects "a b" strings ("failed to extract enum PyMerges").
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
-    return dict(model["vocab"]), merges
+    out = Qwen2Tokenizer(
+        vocab=dict(model["vocab"]), merges=merges, unk_token=None, eos_token=eos_token, pad_token=pad_token
+    )
+    out.add_special_tokens({"additional_special_tokens": special_tokens})
+    return out
 
 
 def build_offline_tokenizer(corpus: Sequence[str] = _CORPUS, vocab_size: int = _VOCAB_SIZE) -> Qwen2Tokenizer:
-    """A byte-level BPE tokenizer trained on `corpus`: deterministic, offline, never produces an unknown token."""
-    vocab, merges = _train_bpe(corpus, vocab_size)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    return tok
+    """The Qwen-style offline tokenizer of the demo and test checkpoints."""
+    return train_bpe_tokenizer(corpus, vocab_size, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def build_offline_processor(
@@ -140,8 +138,8 @@ def build_offline_processor(
     )
 
 
-def load_processor(model_dir: Path) -> ImageOnlyProcessor:
-    """Load the processor saved beside a checkpoint (ours, or a Hugging Face Qwen3-VL directory)."""
+def load_processor(model_dir: Path, processor_class: type[ProcessorMixin] = ImageOnlyProcessor) -> ProcessorMixin:
+    """Load the processor saved beside a checkpoint (ours, or a Hugging Face directory) as `processor_class`."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise VismmoeError(f"processor directory {model_dir} does not exist")
@@ -151,7 +149,7 @@ def load_processor(model_dir: Path) -> ImageOnlyProcessor:
     if missing:
         raise VismmoeError(f"cannot load the processor from {model_dir}: missing {', '.join(missing)}")
     try:
-        proc = ImageOnlyProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        proc = processor_class.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # transformers raises many types here; the user needs one line either way
         reason = " ".join(str(exc).split())[:300]
         raise VismmoeError(f"cannot load the processor from {model_dir}: {type(exc).__name__}: {reason}") from exc

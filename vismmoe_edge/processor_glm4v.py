@@ -7,17 +7,14 @@ is the PIL backend `Glm4vImageProcessorPil`, which needs no torchvision either.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Qwen2Tokenizer
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 
-from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.processor import _CORPUS
+from vismmoe_edge.processor import _CORPUS, load_processor, train_bpe_tokenizer
 
 # GLM-4.5V's control tokens; image placeholders are <|begin_of_image|><|image|>...<|end_of_image|>.
 SPECIAL_TOKENS: list[str] = [
@@ -88,24 +85,9 @@ class ImageOnlyGlm4vProcessor(Glm4vProcessor):
 
 def build_offline_glm4v_tokenizer(corpus: Sequence[str] = _CORPUS, vocab_size: int = _VOCAB_SIZE) -> Qwen2Tokenizer:
     """A byte-level BPE (GLM-4's tokenizer is byte-level BPE too) with GLM's special tokens; deterministic."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # no input is ever unknown
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
+    return train_bpe_tokenizer(
+        corpus, vocab_size, SPECIAL_TOKENS, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
-    tok.train_from_iterator(list(corpus), trainer=trainer)
-    model = json.loads(tok.to_str())["model"]
-    # Merges must be tuples: Qwen2Tokenizer rejects "a b" strings ("failed to extract enum PyMerges").
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
-    out = Qwen2Tokenizer(
-        vocab=dict(model["vocab"]), merges=merges, unk_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    out.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    return out
 
 
 def build_offline_glm4v_processor(
@@ -128,19 +110,4 @@ def build_offline_glm4v_processor(
 
 def load_glm4v_processor(model_dir: Path) -> ImageOnlyGlm4vProcessor:
     """Load the processor saved beside a GLM-4.5V checkpoint (ours, or a Hugging Face directory)."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise VismmoeError(f"processor directory {model_dir} does not exist")
-    missing = [n for n in ("tokenizer.json", "tokenizer_config.json") if not (model_dir / n).is_file()]
-    if not any((model_dir / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
-        missing.append("preprocessor_config.json or processor_config.json")
-    if missing:
-        raise VismmoeError(f"cannot load the processor from {model_dir}: missing {', '.join(missing)}")
-    try:
-        proc = ImageOnlyGlm4vProcessor.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as exc:  # transformers raises many types here; the user needs one line either way
-        reason = " ".join(str(exc).split())[:300]
-        raise VismmoeError(f"cannot load the processor from {model_dir}: {type(exc).__name__}: {reason}") from exc
-    if not proc.chat_template:
-        raise VismmoeError(f"the processor in {model_dir} has no chat template: add chat_template.jinja or .json")
-    return proc
+    return load_processor(model_dir, ImageOnlyGlm4vProcessor)

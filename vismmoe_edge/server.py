@@ -1517,7 +1517,6 @@ def serve_command(
         from vismmoe_edge.compress.prune import CompressionConfig
 
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
-        compression.validate()
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
         options = ServeOptions(

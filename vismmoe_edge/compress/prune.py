@@ -29,6 +29,9 @@ class CompressionConfig:
     affinity_weight: float = 2.0  # lambda in p = s - lambda * Delta
     seed: int = 0  # the random method's generator
 
+    def __post_init__(self) -> None:
+        self.validate()  # every caller (run, eval, serve, ...) builds one from user options
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise VismmoeError(f"--compressor {self.method!r}: use one of {', '.join(METHODS)}")

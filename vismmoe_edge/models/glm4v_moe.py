@@ -9,7 +9,6 @@ the shared experts, so the experts we fetch are exactly the ones the model's own
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,10 +17,10 @@ from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.compute import ExpertRuntime, OffloadedExperts
+from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.store import ShardFiles
-from vismmoe_edge.models.qwen3_vl_moe import parameters_on_meta
-from vismmoe_edge.models.resident import load_resident_weights
+from vismmoe_edge.models.config_json import read_config_json
+from vismmoe_edge.models.resident import build_offloaded
 
 ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
 MODEL_TYPE = "glm4v_moe"
@@ -30,11 +29,8 @@ _TEXT_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.")  # the vision towe
 
 
 def read_config(directory: Path) -> Glm4vMoeConfig:
+    raw = read_config_json(directory)
     path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise VismmoeError(f"{path}: cannot read config.json ({e})") from e
     try:
         config = Glm4vMoeConfig.from_dict(raw)
     except (TypeError, ValueError, KeyError) as e:
@@ -86,27 +82,7 @@ def build_model(
     device: torch.device,
 ) -> Glm4vMoeForConditionalGeneration:
     """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
-    with parameters_on_meta():
-        model = Glm4vMoeForConditionalGeneration(config)
-    layers = model.model.language_model.layers
-    for layer in catalogue.moe_layers:
-        experts = layers[layer].mlp.experts
-        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, experts.act_fn)
-
-    tied = bool(config.tie_word_embeddings)
-    load_resident_weights(
-        model,
-        table,
-        catalogue,
-        files,
-        dtype=dtype,
-        device=device,
-        tied_head=tied,
-        # the router scores in fp32 and transformers keeps its weight and bias fp32 under bf16/fp16
-        keep_fp32=model._keep_in_fp32_modules_strict,
-    )
-    if tied:
-        model.lm_head.weight = model.model.language_model.embed_tokens.weight
-    model.to(device)  # buffers (RoPE frequencies) were built on the CPU
-    model.eval()
-    return model
+    return build_offloaded(
+        Glm4vMoeForConditionalGeneration, config, table, catalogue, files, runtime, dtype=dtype, device=device,
+        tied_head=bool(config.tie_word_embeddings),
+    )  # fmt: skip

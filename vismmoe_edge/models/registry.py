@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.prefill_ops import Glm4vMoeOps, PrefillOps, Qwen3VLMoeOps
 
 
@@ -69,16 +69,7 @@ FAMILIES: dict[str, tuple[str, Callable[[], ModelFamily]]] = {
 
 def model_family(directory: Path) -> ModelFamily:
     """The family of the checkpoint in `directory`, from config.json's model_type (or its architectures)."""
-    path = directory / "config.json"
-    if not directory.is_dir():
-        raise VismmoeError(f"{directory}: no such model directory")
-    if not path.exists():
-        raise VismmoeError(f"{directory}: no config.json; point --model at a Hugging Face model directory")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise VismmoeError(f"{path}: not valid JSON ({e}); re-download it") from e
-    raw = raw if isinstance(raw, dict) else {}
+    raw = read_config_json(directory)
     architectures = raw.get("architectures") or []
     for model_type, (architecture, factory) in FAMILIES.items():
         if raw.get("model_type") == model_type or architecture in architectures:

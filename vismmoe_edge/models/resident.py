@@ -1,4 +1,4 @@
-"""Load every non-expert tensor of a checkpoint into a model built on the meta device.
+"""Build transformers' own model without its routed experts, and load every other tensor of the checkpoint.
 
 Resident means parameters and persistent buffers (GLM's router `e_score_correction_bias` is a buffer, not a
 parameter), each copied out of the shard mapping into memory of our own.
@@ -6,7 +6,9 @@ parameter), each copied out of the shard mapping into memory of our own.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,9 +16,57 @@ from tqdm.auto import tqdm
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.compute import ExpertRuntime, OffloadedExperts
 from vismmoe_edge.experts.store import ShardFiles
 
 TIED_HEAD = "lm_head.weight"
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every nn.Parameter on the meta device; buffers (RoPE inv_freq) stay real, as they are computed."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_offloaded(
+    model_class: type[nn.Module],
+    config: Any,
+    table: dict[str, TensorInfo],
+    catalogue: ExpertCatalogue,
+    files: ShardFiles,
+    runtime: ExpertRuntime,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tied_head: bool,
+) -> Any:
+    """`model_class(config)` with each MoE layer's routed experts swapped for OffloadedExperts (served by
+    `runtime`) and every other weight loaded: what every family's build_model is."""
+    with parameters_on_meta():
+        model = model_class(config)
+    layers = model.model.language_model.layers
+    for layer in catalogue.moe_layers:
+        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, layers[layer].mlp.experts.act_fn)
+    load_resident_weights(
+        model, table, catalogue, files, dtype=dtype, device=device, tied_head=tied_head,
+        # e.g. GLM's router: transformers keeps its weight and bias fp32 under bf16/fp16
+        keep_fp32=getattr(model, "_keep_in_fp32_modules_strict", None) or (),
+    )  # fmt: skip
+    if tied_head:
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    model.to(device)  # buffers (RoPE frequencies) were built on the CPU
+    return model.eval()
 
 
 def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype, keep_fp32: Collection[str]) -> torch.dtype:
