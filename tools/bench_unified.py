@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--trace", type=Path)
     ap.add_argument("--routing", choices=["replay", "sampled"], default="replay")
     ap.add_argument("--caps", default="0.4,0.6", help="memory caps as shares of the checkpoint's bytes")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--strategies", help=f"comma-separated, of {', '.join(STRATEGIES)} (default: all that apply)")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--margin-mib", type=int, default=384)
@@ -291,8 +291,9 @@ def main() -> None:
     ap.add_argument("--llama-build", type=Path, help="llama.cpp build directory (bin/llama-bench)")
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--predictor-file", type=Path, help="an exported predictor for the popularity+learned strategy")
+    ap.add_argument("--starts", help="comma-separated trace tokens where the repeats start (default 1000, 2000, ...)")
     ap.add_argument(
-        "--starts", help="comma-separated trace tokens where the repeats start (default 1000, 2000, ...)"
+        "--interleave", action="store_true", help="run a cap's trials round-robin over the strategies (noisy hosts)"
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -308,16 +309,17 @@ def main() -> None:
     from tqdm import tqdm
 
     from vismmoe_edge.checkpoint import read_tensor_table
-    from vismmoe_edge.models import qwen3_vl_moe
+    from vismmoe_edge.models.registry import model_family
 
-    config = qwen3_vl_moe.read_config(args.model)
-    catalogue = qwen3_vl_moe.catalogue_for(config, read_tensor_table(args.model))
+    family = model_family(args.model)  # Qwen3-VL-MoE, GLM-4.5V or DeepSeek-VL2, from config.json
+    config = family.read_config(args.model)
+    catalogue = family.catalogue_for(config, family.select_tensors(config, read_tensor_table(args.model)))
     shards = sorted(args.model.glob("*.safetensors"))
     checkpoint_bytes = sum(s.stat().st_size for s in shards)
     caps = [float(c) for c in args.caps.split(",")]
-    strategies = args.strategies.split(",")
-    if args.routing == "replay":  # it guesses from the model's router, which replayed routing ignores
-        strategies = [s for s in strategies if "next-layer-gate" not in s]
+    strategies = (args.strategies or ",".join(STRATEGIES)).split(",")
+    if args.routing == "replay" and args.strategies is None:  # it guesses from the model's router, which replayed
+        strategies = [s for s in strategies if "next-layer-gate" not in s]  # routing ignores: only when asked for
     if args.predictor_file is None:
         strategies = [s for s in strategies if "learned" not in s]
     bandwidth = disk_bandwidth(catalogue)
@@ -334,12 +336,16 @@ def main() -> None:
     for cap in caps:
         cap_bytes = int(cap * checkpoint_bytes)
         rows = []
+        trials: dict[str, list[dict]] = {s: [] for s in strategies}
+        if args.interleave:  # round-robin over strategies, so that a noisy neighbour slows them alike
+            order = [(strategy, start) for start in starts for strategy in strategies]
+        else:
+            order = [(strategy, start) for strategy in strategies for start in starts]
+        for strategy, start in order:
+            trials[strategy].append(run_trial(args, strategy, cap_bytes, shards, start))
+            bar.update()
         for strategy in strategies:
-            trials = []
-            for start in starts:
-                trials.append(run_trial(args, strategy, cap_bytes, shards, start))
-                bar.update()
-            row = {**median_of(trials), "cap": cap}
+            row = {**median_of(trials[strategy]), "cap": cap}
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.llama_gguf:
@@ -361,6 +367,7 @@ def main() -> None:
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": args.tokens,
         "repeats": len(starts),
+        "interleaved": args.interleave,
         "starts": starts,
         "predictor_file": str(args.predictor_file) if args.predictor_file else None,
         "disk_gb_s": bandwidth,

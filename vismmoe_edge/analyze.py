@@ -119,7 +119,6 @@ def analyze_compressor(engine: Any, items: list[VQAItem], config: CompressionCon
     engine.compression = config
     engine.experts.route_hooks.append(record)
     image_token = engine.model.config.image_token_id
-    merge = engine.model.model.visual.spatial_merge_size
     try:
         for item in tqdm(items, desc=f"analyze {config.method}", unit="prompt", disable=not progress):
             inputs = engine.encode(item.question, [item.load()])
@@ -130,7 +129,7 @@ def analyze_compressor(engine: Any, items: list[VQAItem], config: CompressionCon
             stats.prefill_ms.append((time.perf_counter() - start) * 1000)
             visual = (inputs.input_ids[0] == image_token).cpu()
             report = engine.last_compression
-            per_image = [int(t * h * w) // merge**2 for t, h, w in inputs.image_grid_thw.tolist()]
+            per_image = engine.ops.visual_token_counts(engine.model, inputs.image_grid_thw)
             if report is not None and report.kept:
                 kept_full = keep_mask(visual, per_image, report.kept)
                 stats.compress_ms.append(report.seconds * 1000)

@@ -1,4 +1,4 @@
-"""Our own prefill layer loop and decode loop over transformers' decoder layers (Qwen3-VL-MoE, GLM-4.5V).
+"""Our own prefill layer loop and decode loop over transformers' decoder layers (Qwen3-VL-MoE, GLM-4.5V, DeepSeek-VL2).
 
 transformers' `generate` cannot continue a sequence that was shortened mid-stack, and visual-token
 compression needs exactly that, so the engine owns the loop: embeddings, M-RoPE positions computed once,
@@ -29,11 +29,10 @@ from vismmoe_edge.compress.prune import (
     merge_groups,
     select_per_image,
 )
-from vismmoe_edge.compress.saliency import VisionSaliency
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
-from vismmoe_edge.models.prefill_ops import PrefillOps, ops_for_model
+from vismmoe_edge.models.prefill_ops import PrefillOps, SaliencyCapture, ops_for_model
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.telemetry import TraceRecorder
@@ -189,10 +188,12 @@ class Engine:
         compress = self.compression.method != "none" and inputs.pixel_values is not None
         self.last_compression = None
         self.interest_rows = self.visual_summary = None
-        saliency = VisionSaliency(self.model.model.visual) if compress and self.compression.needs_saliency else None
+        saliency = None
         if inputs.pixel_values is not None:
             start = time.perf_counter()
             grid = inputs.image_grid_thw.to(self.device)
+            if compress and self.compression.needs_saliency:
+                saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
             with saliency if saliency is not None else contextlib.nullcontext():
                 visual = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
             timings.vision_s = time.perf_counter() - start
@@ -275,19 +276,25 @@ class Engine:
         visual_mask: torch.Tensor,
         deepstack: list[torch.Tensor],
         grid: torch.Tensor,
-        saliency: VisionSaliency | None,
+        saliency: SaliencyCapture | None,
         prefix_routes: dict[int, torch.Tensor],
         cut_at: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Choose each image's kept visual tokens and cut hidden states, positions, the prefix KV cache and the
-        DeepStack features still to come, all by the same rows."""
+        DeepStack features still to come, all by the same rows. Selection runs over each image's droppable
+        tokens only (the family's ops say which: all for Qwen and GLM; patch tokens for DeepSeek-VL2)."""
         config = self.compression
-        merge = self.model.model.visual.spatial_merge_size
-        tokens_per_image = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
+        tokens_per_image = self.ops.visual_token_counts(self.model, grid)
+        droppable = self.ops.droppable_tokens(self.model, grid)  # per image, indices into its visual tokens
         report = CompressionReport(method=config.method, visual_tokens=sum(tokens_per_image))
         seq_mask = visual_mask[0]
         visual_rows = seq_mask.nonzero().flatten()
-        splits = list(torch.split(torch.arange(len(visual_rows)), tokens_per_image))
+        starts = [sum(tokens_per_image[:i]) for i in range(len(tokens_per_image))]
+        candidates = [start + rows for start, rows in zip(starts, droppable, strict=True)]  # into all visual tokens
+        counts = [len(rows) for rows in droppable]
+        scores = [s.cpu() for s in saliency.per_image()] if saliency is not None else None
+        if scores is not None and [len(s) for s in scores] != counts:
+            raise RuntimeError(f"saliency covers {[len(s) for s in scores]} tokens per image, not {counts}")
         prefix_experts = None
         if config.method == "affinity":
             if self.pinned_layers == 0:
@@ -295,18 +302,16 @@ class Engine:
             else:
                 layers = self.catalogue.moe_layers[: self.pinned_layers]
                 routed = torch.stack([prefix_routes[layer][visual_rows] for layer in layers], dim=1)  # [V, L, k]
-                prefix_experts = [routed[rows.to(routed.device)].cpu() for rows in splits]
-        visual_hidden = [hidden[0, visual_rows[rows.to(visual_rows.device)]] for rows in splits]
-        kept, groups = select_per_image(
-            config,
-            tokens_per_image,
-            [s.cpu() for s in saliency.per_image()] if saliency is not None else None,
-            prefix_experts,
-            visual_hidden,
-        )
+                prefix_experts = [routed[rows.to(routed.device)].cpu() for rows in candidates]
+        visual_hidden = [hidden[0, visual_rows[rows.to(visual_rows.device)]] for rows in candidates]
+        chosen, groups = select_per_image(config, counts, scores, prefix_experts, visual_hidden)
+        # Back from positions among the droppable tokens to indices into each image's visual tokens.
+        chosen = [rows[c] for rows, c in zip(droppable, chosen, strict=True)]
+        groups = [None if g is None else [rows[x] for x in g] for rows, g in zip(droppable, groups, strict=True)]
         filled = list(cache.layers[:cut_at])
         if any(g is not None for g in groups):
-            merge_groups(hidden, filled, seq_mask, tokens_per_image, kept, groups)
+            merge_groups(hidden, filled, seq_mask, tokens_per_image, chosen, groups)
+        kept = [_with_fixed_tokens(c, rows, n) for c, rows, n in zip(chosen, droppable, tokens_per_image, strict=True)]
         keep = keep_mask(seq_mask, tokens_per_image, kept)
         # DeepStack rows are in visual-token order: keep those of kept visual tokens, for layers still to come.
         kept_visual = keep[visual_rows]
@@ -455,6 +460,15 @@ class Engine:
             experts=self.experts.pipeline.stats.as_dict(),
             compression=self.last_compression,
         )
+
+
+def _with_fixed_tokens(chosen: torch.Tensor, droppable: torch.Tensor, n: int) -> torch.Tensor:
+    """The chosen tokens plus every token that may not be dropped, ascending, as indices into n visual tokens."""
+    fixed = torch.ones(n, dtype=torch.bool)
+    fixed[droppable] = False
+    if not bool(fixed.any()):
+        return chosen
+    return torch.cat([chosen, fixed.nonzero().flatten()]).sort().values
 
 
 class TextStream:

@@ -3,11 +3,13 @@
 Qwen3-VL's vision tower lays out each frame's patches block-major: patch index = ((gh * W/m + gw) * m + mh) * m + mw
 for a grid of H x W patches and merge size m (the image processor's `patchify` transposes to (gh, gw, mh, mw), and
 `get_vision_position_ids` / the patch merger assume the same). So every m*m consecutive patches form one LLM token,
-and LLM tokens come in raster order of the (H/m, W/m) grid, frame after frame.
+and LLM tokens come in raster order of the (H/m, W/m) grid, frame after frame. GLM-4.5V's tower does the same (its
+processor's patchify, `get_vision_position_ids`, and a downsample over view(-1, m, m, C)); tests check both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 from types import TracebackType
 
@@ -65,8 +67,11 @@ def normalize01(x: Tensor) -> Tensor:
     return (x - lo) / span
 
 
+RotaryFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
 class VisionSaliency:
-    """Capture per-image token saliency from a Qwen3-VL(-MoE) vision tower's last attention block.
+    """Capture per-image token saliency from a Qwen3-VL(-MoE) or GLM-4.5V vision tower's last attention block.
 
         with VisionSaliency(model.model.visual) as sal:
             visual(pixel_values, grid_thw=grid)
@@ -75,10 +80,13 @@ class VisionSaliency:
     A pre-hook on `blocks[-1].attn` recomputes q and k from the block's own inputs (qkv linear, head split,
     the rotary embedding it is given) and scores each attention segment (`cu_seqlens`, one per frame) while the
     forward runs; the forward itself is untouched. Each forward of the tower replaces the previous capture.
+    Both towers' attention blocks share that code (qkv, num_heads, cu_seqlens, (cos, sin)); `rotary` is the
+    family's own apply_rotary_pos_emb_vision (Qwen's by default).
     """
 
-    def __init__(self, visual: nn.Module, *, chunk: int = 1024) -> None:
+    def __init__(self, visual: nn.Module, *, chunk: int = 1024, rotary: RotaryFn = apply_rotary_pos_emb_vision) -> None:
         self.visual = visual
+        self.rotary = rotary
         self.attn: nn.Module = visual.blocks[-1].attn
         self.merge = int(visual.spatial_merge_size)
         self.chunk = chunk
@@ -125,10 +133,11 @@ class VisionSaliency:
         cu_seqlens = kwargs["cu_seqlens"] if "cu_seqlens" in kwargs else args[1]
         pos = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[2]
         n = hidden.shape[0]
-        # Same ops as Qwen3VLMoeVisionAttention.forward (transformers 5.24), stopping before attention.
+        # Same ops as Qwen3VLMoeVisionAttention / Glm4vMoeVisionAttention.forward (transformers 5.24), stopping
+        # before attention.
         q, k, _ = module.qkv(hidden).reshape(n, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         cos, sin = pos
-        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)  # [N, heads, d], back in the model's dtype
+        q, k = self.rotary(q, k, cos, sin)  # [N, heads, d], back in the model's dtype
         q, k = q.transpose(0, 1), k.transpose(0, 1)  # [heads, N, d]
         self._segments = [
             attention_received(q[:, s:e], k[:, s:e], chunk=self.chunk) for s, e in pairwise(cu_seqlens.tolist())

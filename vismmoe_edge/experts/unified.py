@@ -11,6 +11,7 @@ mapping with the kernel's default readahead, what llama.cpp does by default.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,10 +60,21 @@ class _MappedShards:
         return t.t() if part.transposed else t
 
     def weights(self, key: ExpertKey) -> ExpertWeights:
-        parts = {p.kind: self.view(p) for p in self.store.catalogue.expert(*key).parts}
-        # per-expert checkpoints keep gate and up apart: stacking them costs one copy of those two
-        gate_up = parts["gate_up"] if "gate_up" in parts else torch.cat([parts["gate"], parts["up"]])
-        return ExpertWeights(gate_up=gate_up, down=parts["down"])
+        parts = {p.kind: p for p in self.store.catalogue.expert(*key).parts}
+        if "gate_up" in parts:
+            return ExpertWeights(gate_up=self.view(parts["gate_up"]), down=self.view(parts["down"]))
+        # per-expert checkpoints keep gate and up apart. safetensors writes tensors sorted by name, so an expert's
+        # gate_proj is usually followed directly by its up_proj: one zero-copy view of both. Otherwise stacking
+        # them costs an anonymous copy the memory budget does not count (under a cap it ends in an OOM kill).
+        gate, up = parts["gate"], parts["up"]
+        adjacent = gate.shard == up.shard and up.offset == gate.offset + gate.nbytes
+        if adjacent and gate.shape[1:] == up.shape[1:] and not (gate.transposed or up.transposed):
+            both = replace(gate, kind="gate_up", nbytes=gate.nbytes + up.nbytes,
+                           shape=(gate.shape[0] + up.shape[0], *gate.shape[1:]))  # fmt: skip
+            gate_up = self.view(both)
+        else:
+            gate_up = torch.cat([self.view(gate), self.view(up)])
+        return ExpertWeights(gate_up=gate_up, down=self.view(parts["down"]))
 
 
 class UnifiedTier:

@@ -10,7 +10,7 @@ from typing import Any
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.models.config_json import read_config_json
-from vismmoe_edge.models.prefill_ops import Glm4vMoeOps, PrefillOps, Qwen3VLMoeOps
+from vismmoe_edge.models.prefill_ops import DeepseekVL2Ops, Glm4vMoeOps, PrefillOps, Qwen3VLMoeOps
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,28 @@ def _glm4v_moe() -> ModelFamily:
     )
 
 
+def _deepseek_vl2() -> ModelFamily:
+    from vismmoe_edge.models import deepseek_vl2
+    from vismmoe_edge.processor_deepseek_vl2 import load_deepseek_vl2_processor
+
+    return ModelFamily(
+        model_type=deepseek_vl2.MODEL_TYPE,
+        architecture=deepseek_vl2.ARCHITECTURE,
+        read_config=deepseek_vl2.read_config,
+        select_tensors=deepseek_vl2.select_tensors,
+        catalogue_for=deepseek_vl2.catalogue_for,
+        build_model=deepseek_vl2.build_model,
+        load_processor=load_deepseek_vl2_processor,
+        shared_experts=lambda config: int(config.text_config.n_shared_experts),
+        ops=DeepseekVL2Ops(),
+    )
+
+
 # model_type -> (architecture, factory); factories import transformers' model classes only when chosen
 FAMILIES: dict[str, tuple[str, Callable[[], ModelFamily]]] = {
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe),
     "glm4v_moe": ("Glm4vMoeForConditionalGeneration", _glm4v_moe),
+    "deepseek_vl_v2": ("DeepseekVLV2ForCausalLM", _deepseek_vl2),
 }
 
 
