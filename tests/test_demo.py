@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,10 +115,9 @@ def test_per_expert_equals_slices_of_fused(ckpts: dict[str, Path]) -> None:
     assert all(torch.equal(_read(v5, k), _read(pe, k)) for k in rest[:20])
 
 
-def test_processor_round_trip_and_image_tokens(ckpts: dict[str, Path], demo_cache: Path, monkeypatch) -> None:
-    monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
+def test_processor_round_trip_and_image_tokens(ckpts: dict[str, Path]) -> None:
     proc = load_processor(ckpts["v5"])
-    image = Image.open(demo.ensure_sample_image())
+    image = Image.new("RGB", (224, 160), (235, 230, 215))
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     prompt = proc.apply_chat_template(msgs, add_generation_prompt=True)
     assert prompt == (
@@ -197,9 +199,9 @@ def test_demo_cache_dir_env(monkeypatch, tmp_path: Path) -> None:
     assert demo.demo_cache_dir() == tmp_path / "override"
 
 
-def test_ensure_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -> None:
+def test_ensure_random_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -> None:
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
-    first = demo.ensure_demo_model()
+    first = demo.ensure_random_demo_model()
     assert first == demo_cache / demo.DEMO_MODEL_NAME
     assert json.loads((first / demo.DEMO_MARKER).read_text())["random_weights"] is True
     assert json.loads((first / "config.json").read_text())["dtype"] == "bfloat16"
@@ -207,10 +209,10 @@ def test_ensure_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -> None:
     stamp = (first / demo.INDEX_NAME).stat().st_mtime_ns
 
     def no_rebuild(*args, **kwargs):
-        raise AssertionError("ensure_demo_model rebuilt an existing model")
+        raise AssertionError("ensure_random_demo_model rebuilt an existing model")
 
     monkeypatch.setattr(demo, "build_tiny_checkpoint", no_rebuild)
-    assert demo.ensure_demo_model() == first
+    assert demo.ensure_random_demo_model() == first
     assert (first / demo.INDEX_NAME).stat().st_mtime_ns == stamp
     assert [p.name for p in demo_cache.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
 
@@ -219,24 +221,36 @@ def test_sample_image_is_deterministic(demo_cache: Path, tmp_path: Path, monkeyp
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
     path = demo.ensure_sample_image()
     assert demo.ensure_sample_image() == path
-    assert Image.open(path).size == (224, 160)
+    scene = demo.sample_example().scene
+    assert Image.open(path).size == (scene.width, scene.height)
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(tmp_path))
     assert demo.ensure_sample_image().read_bytes() == path.read_bytes()
 
 
-def test_demo_model_generates(demo_cache: Path, monkeypatch) -> None:
+def test_shipped_demo_model_answers_the_sample_question_as_transformers_does(demo_cache: Path, monkeypatch) -> None:
+    """The README's command: the trained demo model answers the sample question correctly, through our engine
+    and through transformers' own model on the same checkpoint (the independent reference)."""
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
     model_dir = demo.ensure_demo_model()
-    proc = load_processor(model_dir)
+    assert model_dir == demo.TRAINED_DEMO_DIR
+    scene = demo.sample_example().scene
+    circles = [obj for obj in scene.objects if obj.shape == "circle"]
+    assert len(circles) == 1  # the question has one right answer, read off the scene itself
+    answer = circles[0].color
+    proc = subprocess.run(
+        [sys.executable, "-m", "vismmoe_edge.cli", "run", "--prompt", demo.SAMPLE_QUESTION, "--max-new-tokens", "6"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "VISMMOE_EDGE_CACHE": str(demo_cache)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[0].strip() == answer
+    assert "trained on Shapes-VQA" in proc.stderr
+
+    processor = load_processor(model_dir)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    inputs = proc.apply_chat_template(
-        _chat(Image.open(demo.ensure_sample_image())),
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        return_tensors="pt",
-    )
-    out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1] :]
-    assert new.numel() == 8
-    assert len(set(new.tolist())) > 1  # the rescaled random weights do not repeat one token
+    inputs = processor.apply_chat_template(
+        _chat(Image.open(demo.ensure_sample_image()), demo.SAMPLE_QUESTION),
+        add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+    )  # fmt: skip
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    reply = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert reply.strip() == answer

@@ -234,7 +234,8 @@ def notify_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifyListene
 def server(tmp_path_factory: pytest.TempPathFactory, notify_a: NotifyListener) -> Iterator[Server]:
     """The shared TCP server: small limits so that each one is easy to cross."""
     root = tmp_path_factory.mktemp("server")
-    args = ["--port", "0", "--max-queue", "2", "--max-tokens", str(LONG), "--max-prompt-tokens", "300"]
+    args = ["--model", str(random_demo_model())]
+    args += ["--port", "0", "--max-queue", "2", "--max-tokens", str(LONG), "--max-prompt-tokens", "300"]
     args += ["--max-image-bytes", "100KiB", "--max-image-pixels", "1000000", "--max-body-bytes", "1MiB"]
     args += ["--request-timeout", "60", "--drain-timeout", "5", "--profile", "auto"]
     srv = Server(args, root / "server.log", {"NOTIFY_SOCKET": notify_a.address, "WATCHDOG_USEC": "1000000"})
@@ -253,6 +254,13 @@ def big_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     noise.save(root / "noise.png")  # ~120 KB: over 100 KiB
     Image.new("RGB", (1200, 1000), (10, 200, 10)).save(root / "wide.png")  # tiny file, 1.2 M pixels
     return {"bytes": root / "noise.png", "pixels": root / "wide.png"}
+
+
+def random_demo_model() -> Path:
+    """The tiny random-weight demo: these tests exercise the server, and its 64-token image cap keeps them fast."""
+    from vismmoe_edge.demo import ensure_random_demo_model
+
+    return ensure_random_demo_model()
 
 
 # ---- unit: stop strings -------------------------------------------------------------------------------
@@ -500,7 +508,8 @@ def test_official_openai_client(server: Server, images: list[Path]) -> None:
 def test_unix_socket_deadline_and_sigterm(tmp_path: Path) -> None:
     notify = NotifyListener(f"@vismmoe-test-{uuid.uuid4().hex}")  # the abstract namespace
     path = tmp_path / "s.sock"
-    args = ["--listen", f"unix:{path}", "--max-new-tokens", str(LONG), "--request-timeout", "3"]
+    args = ["--model", str(random_demo_model()), "--listen", f"unix:{path}", "--max-new-tokens", str(LONG)]
+    args += ["--request-timeout", "3"]
     args += ["--drain-timeout", "1", "--memory-budget", "100%", "--pinned-layers", "0", "--tier", "host"]
     srv = Server(args, tmp_path / "server.log", {"NOTIFY_SOCKET": notify.address}, unix_socket=path)
     try:

@@ -117,7 +117,7 @@ def test_installed_unit_verifies(tmp_path: Path) -> None:
 def test_demo_unit_verifies_without_model(tmp_path: Path) -> None:
     result = service.install_service(model=None, dest=tmp_path)
     assert "--model" not in exec_start(result.unit_text)
-    assert "RANDOM weights" in result.env_text
+    assert "built-in demo model, trained on Shapes-VQA" in result.env_text
     assert_clean(result.unit_path)
 
 

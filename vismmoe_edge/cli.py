@@ -83,8 +83,8 @@ def run(
             from vismmoe_edge.demo import ensure_sample_image
 
             typer.echo(
-                "note: no --model given: using the built-in demo model, which has RANDOM weights "
-                "(its replies are noise; it shows the machinery).",
+                "note: no --model given: using the built-in demo model, a 10 M-parameter VL-MoE trained on "
+                "Shapes-VQA (docs/demo-model.md); it knows coloured shapes, nothing else.",
                 err=True,
             )
             if not images:

@@ -1,7 +1,9 @@
-"""Tiny random-weight Qwen3-VL-MoE checkpoints and a sample image, built offline.
+"""The built-in demo model and its sample image; tiny random-weight Qwen3-VL-MoE checkpoints built offline.
 
-They exist so the demo, the tests and the expert reader can run without any hub download. The weights are
-random: outputs are noise, but shapes, layouts, routing and the processor are those of the real model.
+The demo model is a small Qwen3-VL-MoE trained on Shapes-VQA (`tools/train_demo.py`), shipped inside the package
+(`vismmoe_edge/demo_model/`, docs/demo-model.md). The random checkpoints exist so that tests and the expert
+reader run without any download: their outputs are noise, but shapes, layouts, routing and the processor are
+those of the real model.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw, ImageFont
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.processor import build_offline_processor, build_offline_tokenizer
 
 # 224x160 -> 10x14 patches of 16 px -> 35 merged visual tokens; larger images are capped at 64 tokens.
@@ -29,7 +31,12 @@ DEMO_MAX_PIXELS = 32 * 32 * 64
 
 DEMO_MODEL_NAME = "demo-random-v1"
 DEMO_MARKER = "VISMMOE_DEMO.json"
-SAMPLE_IMAGE_NAME = "sample-v1.png"
+TRAINED_DEMO_DIR = Path(__file__).resolve().parent / "demo_model"
+SAMPLE_IMAGE_NAME = "sample-v2.png"
+# The sample image is Shapes-VQA test scene 7 (three triangles and one orange circle); the README asks the demo
+# model this question about it.
+SAMPLE_EXAMPLE = ("test", 7)
+SAMPLE_QUESTION = "What colour is the circle?"
 INDEX_NAME = "model.safetensors.index.json"
 LAYOUTS = ("v5", "hub", "per_expert")
 
@@ -239,6 +246,13 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def ensure_demo_model() -> Path:
+    """The built-in demo model: the trained Shapes-VQA checkpoint shipped inside the package."""
+    if not (TRAINED_DEMO_DIR / INDEX_NAME).is_file():
+        raise VismmoeError(f"{TRAINED_DEMO_DIR}: the built-in demo model is missing; reinstall vismmoe-edge")
+    return TRAINED_DEMO_DIR
+
+
+def ensure_random_demo_model() -> Path:
     """Build the random demo checkpoint once (bf16, 6 layers, 16 experts, top-4) and return its directory."""
     final = demo_cache_dir() / DEMO_MODEL_NAME
     if (final / INDEX_NAME).is_file():
@@ -256,18 +270,16 @@ def ensure_demo_model() -> Path:
     return final
 
 
-def _draw_sample() -> Image.Image:
-    img = Image.new("RGB", (224, 160), (235, 230, 215))
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((20, 40, 100, 120), fill=(220, 30, 30))
-    draw.rectangle((130, 50, 190, 110), fill=(30, 60, 220))
-    # Pillow's bundled default font: no system font lookup, so the pixels depend only on Pillow itself.
-    draw.text((104, 8), "7", fill=(0, 0, 0), font=ImageFont.load_default(size=28))
-    return img
+def sample_example():
+    """The Shapes-VQA example behind the sample image (its scene, question and answer)."""
+    from vismmoe_edge import shapes_vqa as sv
+
+    split, index = SAMPLE_EXAMPLE
+    return sv.generate_example(split, index, sv.SPLITS[split][0], shifted=split in sv.SHIFTED_SPLITS)
 
 
 def ensure_sample_image() -> Path:
-    """A procedurally drawn 224x160 PNG (red circle, blue square, a digit) in the cache dir, made once."""
+    """The sample image (Shapes-VQA test scene 7, rendered by the generator) in the cache dir, made once."""
     final = demo_cache_dir() / SAMPLE_IMAGE_NAME
     if final.is_file():
         return final
@@ -275,7 +287,9 @@ def ensure_sample_image() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".png", dir=final.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            _draw_sample().save(f, format="PNG")
+            from vismmoe_edge import shapes_vqa as sv
+
+            sv.render(sample_example().scene).save(f, format="PNG")
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
         os.replace(tmp, final)
     finally:

@@ -484,7 +484,7 @@ def profile_command(
     """Profile a workload: per-token latency, expert hit rate, power/memory telemetry (jtop on Jetson); CSV+PNG."""
     out = out or Path(f"profile-{datetime.now():%Y%m%d-%H%M%S}")
     if model is None:
-        typer.echo("note: no --model given: profiling the built-in demo model (RANDOM weights).", err=True)
+        typer.echo("note: no --model given: profiling the built-in demo model (trained on Shapes-VQA).", err=True)
     try:
         summary = profile(
             out,

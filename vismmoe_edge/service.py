@@ -298,7 +298,7 @@ def render_env(config: ServiceConfig | None = None) -> str:
         lines.append(_comment(f"{setting.flag}: {setting.comment}"))
         value = config.value(setting)
         if setting.var == "VISMMOE_EDGE_MODEL" and config.model is None:
-            lines.append("# (unset: the unit runs the built-in demo model, which has RANDOM weights)")
+            lines.append("# (unset: the unit runs the built-in demo model, trained on Shapes-VQA only)")
             lines.append(f"# {setting.var}={DEFAULT_MODEL}")
         else:
             lines.append(f"{setting.var}={value}")
