@@ -58,6 +58,34 @@ def test_recorded_features_are_consistent(checkpoints: dict[str, Path], images: 
         assert np.abs(v).sum() > 0 and (v == v[0]).all()
     assert data["hidden"].shape == (len(data["layer"]), engine.text_config.hidden_size)
     assert E == engine.catalogue.num_experts
+    # the next-layer-gate baseline: the next router's top-k mass; k per token (decode: one token), none at the end
+    gate = data["next_gate"]
+    assert gate.shape == (len(data["layer"]), E)
+    assert (gate[data["layer"] == L - 1] == 0).all()
+    inner = (data["layer"] < L - 1) & (data["phase"] == 1)
+    np.testing.assert_array_equal((gate[inner] > 0).sum(-1), top_k)
+    mass = gate[inner].sum(-1)  # one token's top-k probabilities
+    assert ((mass > 0) & (mass <= 1 + 1e-5)).all()
+    recorder.close()
+
+
+def test_next_gate_scores_equal_the_next_router_on_the_hidden_state(checkpoints: dict[str, Path]) -> None:
+    """Recorded next_gate at layer i equals softmax(W_{i+1} h_i) top-k mass, computed here from the raw weights."""
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    hidden_seen: dict[int, torch.Tensor] = {}
+    engine.experts.route_hooks.append(lambda layer, hidden, index, w: hidden_seen.__setitem__(layer, hidden.clone()))
+    recorder = FeatureRecorder(engine)
+    engine.generate_from_inputs(engine.encode("Hello there"), SamplingConfig(max_new_tokens=1))
+    data = recorder.arrays()
+    layers = engine.catalogue.moe_layers
+    top_k = int(data["top_k"])
+    for i in range(len(layers) - 1):
+        weight = engine.language_model.layers[layers[i + 1]].mlp.gate.weight
+        probs = torch.softmax(hidden_seen[layers[i]].float() @ weight.float().T, dim=-1)  # the last step: 1 token
+        top_p, top_i = probs.topk(top_k, dim=-1)
+        expected = torch.zeros(probs.shape[1]).index_add_(0, top_i.flatten(), top_p.flatten())
+        last = np.flatnonzero(data["layer"] == i)[-1]
+        np.testing.assert_allclose(data["next_gate"][last], expected.numpy(), rtol=1e-5, atol=1e-6)
     recorder.close()
 
 

@@ -32,6 +32,9 @@ def calibrate_command(
     data: Annotated[Path | None, typer.Option("--data", help="a folder of images with questions.jsonl")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="number of prompts")] = 500,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="decode steps per prompt")] = 8,
+    min_new_tokens: Annotated[
+        int, typer.Option("--min-new-tokens", min=0, help="decode at least this many steps (stop tokens masked)")
+    ] = 0,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 decodes greedily")] = 0.0,
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,
@@ -68,7 +71,9 @@ def calibrate_command(
         )
         recorder = FeatureRecorder(engine)
         for n, item in enumerate(tqdm(items, desc="calibrate", unit="prompt")):
-            sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=n)
+            sampling = SamplingConfig(
+                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature, seed=n
+            )
             engine.generate_from_inputs(engine.encode(item.question, [item.load()]), sampling)
         path = recorder.save(out)
         samples = len(recorder.samples["layer"])

@@ -3,7 +3,8 @@ writes it (see routing_features.py for how each array is measured).
 
 Arrays (N samples, H history layers, W window, E experts, D hidden size, which may be 0):
 history [N, H, E], hidden [N, D], visual [N, D], layer [N], future [N, W, E], future_valid [N, W],
-request [N], phase [N] (0 prefill, 1 decode); scalars num_layers, num_experts, window, top_k.
+request [N], phase [N] (0 prefill, 1 decode); scalars num_layers, num_experts, window, top_k; optionally
+next_gate [N, E], the next-layer-gate baseline's scores (evaluation only; files from before it lack it).
 Samples of one request and phase at one layer are stored in time order (previous_token_scores relies on it).
 """
 
@@ -38,6 +39,7 @@ class CalibrationSet:
     num_experts: int
     window: int
     top_k: int
+    next_gate: np.ndarray | None = None  # float32 [N, E]: the next router on this layer's hidden states
 
     def __len__(self) -> int:
         return int(self.layer.shape[0])
@@ -52,7 +54,8 @@ class CalibrationSet:
 
     def subset(self, index: np.ndarray) -> CalibrationSet:
         """The samples selected by a boolean mask or an index array (scalars kept)."""
-        return replace(self, **{name: getattr(self, name)[index] for name in _ARRAYS})
+        gate = None if self.next_gate is None else self.next_gate[index]
+        return replace(self, next_gate=gate, **{name: getattr(self, name)[index] for name in _ARRAYS})
 
     @staticmethod
     def concatenate(sets: list[CalibrationSet]) -> CalibrationSet:
@@ -67,7 +70,9 @@ class CalibrationSet:
             requests.append(data.request + offset)
             offset += int(data.request.max()) + 1 if len(data) else 0
         arrays = {name: np.concatenate([getattr(d, name) for d in sets]) for name in _ARRAYS if name != "request"}
-        return replace(first, request=np.concatenate(requests), **arrays)
+        gates = [d.next_gate for d in sets]
+        gate = None if any(g is None for g in gates) else np.concatenate(gates)
+        return replace(first, request=np.concatenate(requests), next_gate=gate, **arrays)
 
     def validate(self, source: str = "calibration data") -> None:
         """Raise a one-line VismmoeError when the arrays disagree with each other or with the scalars."""
@@ -86,6 +91,8 @@ class CalibrationSet:
             if len(got) != len(shape) or any(s is not None and g != s for g, s in zip(got, shape, strict=True)):
                 want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
                 raise VismmoeError(f"{source}: {name} has shape {list(got)}, expected {want}; re-run calibrate")
+        if self.next_gate is not None and self.next_gate.shape != (n, e):
+            raise VismmoeError(f"{source}: next_gate has shape {list(self.next_gate.shape)}, expected [{n}, {e}]")
         if self.layer.ndim != 1 or (n and (self.layer.min() < 0 or self.layer.max() >= self.num_layers)):
             raise VismmoeError(f"{source}: layer must be 0..{self.num_layers - 1}; re-run calibrate")
 
@@ -100,12 +107,13 @@ def load_calibration(path: str | Path) -> CalibrationSet:
                 raise VismmoeError(f"{path}: not predictor calibration data (missing {', '.join(missing)})")
             arrays = {k: np.asarray(npz[k], dtype=_DTYPES.get(k, np.float32)) for k in _ARRAYS}
             scalars = {k: int(npz[k]) for k in _SCALARS}
+            gate = np.asarray(npz["next_gate"], dtype=np.float32) if "next_gate" in npz.files else None
     except VismmoeError:
         raise
     except (OSError, ValueError, EOFError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise VismmoeError(f"cannot read calibration data {path}: {reason}") from None
-    data = CalibrationSet(**arrays, **scalars)
+    data = CalibrationSet(**arrays, **scalars, next_gate=gate)
     data.validate(str(path))
     return data
 
@@ -113,7 +121,7 @@ def load_calibration(path: str | Path) -> CalibrationSet:
 def save_calibration(path: str | Path, data: CalibrationSet) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    values = {f.name: getattr(data, f.name) for f in fields(data)}
+    values = {f.name: getattr(data, f.name) for f in fields(data) if getattr(data, f.name) is not None}
     np.savez_compressed(path, **{k: np.asarray(v) for k, v in values.items()})
     return path
 

@@ -4,6 +4,8 @@ At MoE layer i of one step (a prefill, or one decode token) the predictor sees:
 - history: each expert's share of the activations of the tokens of interest at layers i, i-1, ..., i-H+1;
 - hidden: the hidden state entering layer i's experts, mean-pooled over the tokens of interest;
 - visual: the mean of the kept visual embeddings (zeros for a text-only prompt), reused through decode.
+Calibration also records, for evaluation only, what the next-layer-gate baseline would score (`next_gate`: the
+next MoE layer's router applied to the same tokens' hidden states), since only the live model has the routers.
 Tokens of interest: in prefill the visual tokens still in the sequence (all before the compression cut, the
 kept ones after it), or every token of a text-only prompt; in decode the one token.
 """
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from vismmoe_edge.predict.simple import next_gate_demand
 
 HISTORY = 3
 WINDOW = 5
@@ -53,6 +57,7 @@ class FeatureRecorder:
     request: int = -1
     _shares: dict[int, torch.Tensor] = field(default_factory=dict)
     _hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    _next_gate: dict[int, torch.Tensor] = field(default_factory=dict)
     _phase: int = 0
 
     def __post_init__(self) -> None:
@@ -71,12 +76,18 @@ class FeatureRecorder:
         i = self.position[layer]
         self._shares[i] = routing_shares(index, rows, self.num_experts)
         self._hidden[i] = pooled_hidden(hidden, rows)
+        self._next_gate[i] = torch.zeros(self.num_experts)
+        layers = self.engine.catalogue.moe_layers
+        if i + 1 < len(layers):
+            selected = hidden[rows] if rows is not None and rows.shape[0] == hidden.shape[0] and rows.any() else hidden
+            gate = self.engine.language_model.layers[layers[i + 1]].mlp.gate.weight
+            self._next_gate[i] = next_gate_demand(selected.to(gate.dtype), gate, index.shape[1])
 
     def begin_step(self, phase: str, num_tokens: int) -> None:
         if phase == "prefill":
             self.request += 1
         self._phase = 0 if phase == "prefill" else 1
-        self._shares, self._hidden = {}, {}
+        self._shares, self._hidden, self._next_gate = {}, {}, {}
 
     def end_step(self, phase: str, token_index: int) -> None:
         visual = self.engine.visual_summary
@@ -90,6 +101,7 @@ class FeatureRecorder:
             s = self.samples
             s["history"].append(history_matrix(self._shares, i, self.num_experts, self.history))
             s["hidden"].append(self._hidden[i])
+            s["next_gate"].append(self._next_gate[i])
             s["visual"].append(visual.cpu() if visual is not None else torch.zeros_like(self._hidden[i]))
             s["layer"].append(i)
             s["future"].append(future)
@@ -110,6 +122,7 @@ class FeatureRecorder:
             "future_valid": torch.stack(s["future_valid"]).numpy(),
             "request": np.asarray(s["request"], dtype=np.int64),
             "phase": np.asarray(s["phase"], dtype=np.int64),
+            "next_gate": torch.stack(s["next_gate"]).numpy().astype(np.float32),
             "num_layers": np.asarray(len(self.position)),
             "num_experts": np.asarray(self.num_experts),
             "window": np.asarray(self.window),
@@ -123,4 +136,4 @@ class FeatureRecorder:
         return path
 
 
-_KEYS = ("history", "hidden", "visual", "layer", "future", "future_valid", "request", "phase")
+_KEYS = ("history", "hidden", "visual", "layer", "future", "future_valid", "request", "phase", "next_gate")

@@ -18,6 +18,14 @@ def _following(layers: list[int], layer: int, depth: int) -> list[int]:
     return layers[i + 1 : i + 1 + depth]
 
 
+def next_gate_demand(hidden: torch.Tensor, gate_weight: torch.Tensor, k: int) -> torch.Tensor:
+    """[E] float32 on the CPU: the next router applied to these tokens' hidden states; each token adds its top-k
+    probabilities, so an expert's score is the routing mass the next layer would give it."""
+    probs = torch.softmax(F.linear(hidden, gate_weight).float(), dim=-1)  # [T, E]
+    top_p, top_i = probs.topk(k, dim=-1)
+    return torch.zeros(probs.shape[1]).index_add_(0, top_i.flatten().cpu(), top_p.flatten().cpu())
+
+
 class NextLayerGatePredictor:
     name = "next-layer-gate"
 
@@ -32,11 +40,7 @@ class NextLayerGatePredictor:
         if not following:
             return []
         nxt = following[0]
-        probs = torch.softmax(F.linear(hidden, self.gate_weights[nxt]).float(), dim=-1)  # [T, E]
-        k = top_k_index.shape[1]
-        # share of tokens that would route to each expert: for one token, its top-k with their probabilities
-        top_p, top_i = probs.topk(k, dim=-1)
-        demand = torch.zeros(probs.shape[1]).index_add_(0, top_i.flatten().cpu(), top_p.flatten().cpu())
+        demand = next_gate_demand(hidden, self.gate_weights[nxt], top_k_index.shape[1])
         scores, ids = demand.topk(min(self.top_b, int((demand > 0).sum())))
         return [((nxt, int(e)), float(s)) for s, e in zip(scores, ids, strict=True)]
 
