@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,9 @@ from transformers import PreTrainedTokenizerBase, Qwen3VLMoeConfig, Qwen3VLMoeFo
 
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.processor import build_offline_processor, build_offline_tokenizer
+
+if TYPE_CHECKING:
+    from vismmoe_edge.shapes_vqa import Example
 
 # 224x160 -> 10x14 patches of 16 px -> 35 merged visual tokens; larger images are capped at 64 tokens.
 DEMO_MIN_PIXELS = 32 * 32 * 4
@@ -270,7 +274,7 @@ def ensure_random_demo_model() -> Path:
     return final
 
 
-def sample_example():
+def sample_example() -> Example:
     """The Shapes-VQA example behind the sample image (its scene, question and answer)."""
     from vismmoe_edge import shapes_vqa as sv
 
