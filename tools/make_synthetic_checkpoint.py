@@ -224,6 +224,72 @@ def _pack(specs: list[_Spec], shard_bytes: int) -> list[list[_Spec]]:
     return shards
 
 
+def write_checkpoint(
+    out_dir: Path,
+    specs: list[_Spec],
+    *,
+    shard_bytes: int,
+    experts_total: int,
+    marker: dict[str, object],
+    write_extra: Callable[[Path], None],
+    progress: bool | None,
+) -> Path:
+    """Write `specs` as shards + index into `.NAME.partial` beside `out_dir`, one shard in memory at a time; let
+    `write_extra(dir)` add config, generation config and processor; add the marker with byte totals; rename the
+    directory into place (replacing an old one)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    shards = _pack(specs, shard_bytes)
+    n = len(shards)
+    total = sum(s.nbytes for s in specs)
+    expert_bytes = sum(s.nbytes for s in specs if ".mlp.experts." in s.name)
+    tmp = out_dir.parent / f".{out_dir.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    started = time.perf_counter()
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out_dir.name}",
+               disable=None if progress is None else not progress)  # fmt: skip
+    try:
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = {}
+            for spec in shard:
+                t = spec.make()
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise AssertionError(f"{spec.name}: made {tuple(t.shape)} {t.dtype}, planned {spec.shape}")
+                tensors[spec.name] = t
+                weight_map[spec.name] = fname
+                bar.update(spec.nbytes)
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o644)
+            del tensors
+        bar.close()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_extra(tmp)
+        marker = {"synthetic": True, "random_weights": True} | marker | {
+            "total_bytes": total,
+            "expert_bytes": expert_bytes,
+            "bytes_per_expert": expert_bytes // max(1, experts_total),
+            "non_expert_bytes": total - expert_bytes,
+            "shards": n,
+            "build_seconds": round(time.perf_counter() - started, 1),
+            "note": "Random weights for benchmarks and tests: the model's outputs are meaningless.",
+        }
+        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        bar.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
 def build_synthetic_checkpoint(
     out_dir: str | Path,
     *,
@@ -252,7 +318,6 @@ def build_synthetic_checkpoint(
     Defaults: Qwen3-VL-30B-A3B's text dimensions with 8 layers and vocab 32,000 (~9.7 GB in bf16).
     `progress`: a tqdm bar over bytes (None: only on a terminal).
     """
-    from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
     from vismmoe_edge.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS
@@ -283,80 +348,31 @@ def build_synthetic_checkpoint(
         config, dtype=dtype, seed=seed, router_std=router_std, expert_std=expert_std, layout=layout,
         zero_lm_head_rows=zero_rows, embed_std=embed_std,
     )
-    shards = _pack(specs, shard_bytes)
-    n = len(shards)
-    total = sum(s.nbytes for s in specs)
-    expert_bytes = sum(s.nbytes for s in specs if ".mlp.experts." in s.name)
-
-    tmp = out_dir.parent / f".{out_dir.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    started = time.perf_counter()
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc=f"writing {out_dir.name}",
-        disable=None if progress is None else not progress,
-    )
-    try:
-        for k, shard in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            tensors: dict[str, torch.Tensor] = {}
-            for spec in shard:
-                t = spec.make()
-                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                    raise AssertionError(f"{spec.name}: made {tuple(t.shape)} {t.dtype}, planned {spec.shape}")
-                tensors[spec.name] = t
-                weight_map[spec.name] = fname
-                bar.update(spec.nbytes)
-            from safetensors.torch import save_file
-
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            os.chmod(tmp / fname, 0o644)
-            del tensors
-        bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        config.save_pretrained(tmp)
+    def write_extra(directory: Path) -> None:
+        config.save_pretrained(directory)
         eos = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
         GenerationConfig(
             bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
             eos_token_id=eos,
             pad_token_id=tok.pad_token_id,
             do_sample=False,
-        ).save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        marker = {
-            "synthetic": True,
-            "random_weights": True,
-            "builder": "tools/make_synthetic_checkpoint.py",
-            "params": {
-                "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "experts": experts, "top_k": top_k, "moe_intermediate": moe_intermediate, "vocab": vocab,
-                "dtype": str(dtype).removeprefix("torch."), "router_std": router_std, "expert_std": expert_std,
-                "embed_std": embed_std, "linear_std": _LINEAR_STD, "seed": seed, "shard_bytes": shard_bytes,
-                "vision": vision, "layout": layout,
-            },
-            "total_bytes": total,
-            "expert_bytes": expert_bytes,
-            "bytes_per_expert": expert_bytes // max(1, layers * experts),
-            "non_expert_bytes": total - expert_bytes,
-            "shards": n,
-            "build_seconds": round(time.perf_counter() - started, 1),
-            "note": "Random weights for benchmarks and tests: the model's outputs are meaningless.",
-        }
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        bar.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        ).save_pretrained(directory)
+        processor.save_pretrained(directory)
+
+    marker = {
+        "builder": "tools/make_synthetic_checkpoint.py",
+        "params": {
+            "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "experts": experts, "top_k": top_k, "moe_intermediate": moe_intermediate, "vocab": vocab,
+            "dtype": str(dtype).removeprefix("torch."), "router_std": router_std, "expert_std": expert_std,
+            "embed_std": embed_std, "linear_std": _LINEAR_STD, "seed": seed, "shard_bytes": shard_bytes,
+            "vision": vision, "layout": layout,
+        },
+    }  # fmt: skip
+    return write_checkpoint(
+        out_dir, specs, shard_bytes=shard_bytes, experts_total=layers * experts, marker=marker,
+        write_extra=write_extra, progress=progress,
+    )  # fmt: skip
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
@@ -386,6 +402,24 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     return header
 
 
+def check_shards(model_dir: Path) -> tuple[list[str], dict[str, str], int]:
+    """Parse every shard header and check it against the index: (shard names, tensor -> shard, tensor bytes)."""
+    index = json.loads((model_dir / INDEX_NAME).read_text())
+    seen: dict[str, str] = {}
+    total = 0
+    shards = sorted(set(index["weight_map"].values()))
+    for shard in shards:
+        for key, meta in read_safetensors_header(model_dir / shard).items():
+            seen[key] = shard
+            total += meta["data_offsets"][1] - meta["data_offsets"][0]
+    if seen != index["weight_map"]:
+        missing = set(index["weight_map"]) ^ set(seen)
+        raise ValueError(f"{model_dir}: index and shard headers disagree on {sorted(missing)[:5]}")
+    if total != index["metadata"]["total_size"]:
+        raise ValueError(f"{model_dir}: shards hold {total} bytes, the index says {index['metadata']['total_size']}")
+    return shards, seen, total
+
+
 def validate_checkpoint(model_dir: str | Path) -> dict[str, object]:
     """Load config.json with transformers, parse every shard header, check it against the index. Returns a summary."""
     from transformers import AutoConfig
@@ -394,20 +428,7 @@ def validate_checkpoint(model_dir: str | Path) -> dict[str, object]:
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     if config.architectures != ["Qwen3VLMoeForConditionalGeneration"]:
         raise ValueError(f"{model_dir}: architectures {config.architectures}")
-    index = json.loads((model_dir / INDEX_NAME).read_text())
-    seen: dict[str, str] = {}
-    total = 0
-    shards = sorted(set(index["weight_map"].values()))
-    for shard in shards:
-        header = read_safetensors_header(model_dir / shard)
-        for key, meta in header.items():
-            seen[key] = shard
-            total += meta["data_offsets"][1] - meta["data_offsets"][0]
-    if seen != index["weight_map"]:
-        missing = set(index["weight_map"]) ^ set(seen)
-        raise ValueError(f"{model_dir}: index and shard headers disagree on {sorted(missing)[:5]}")
-    if total != index["metadata"]["total_size"]:
-        raise ValueError(f"{model_dir}: shards hold {total} bytes, the index says {index['metadata']['total_size']}")
+    shards, seen, total = check_shards(model_dir)
     text = config.get_text_config()
     return {
         "model_type": config.model_type,

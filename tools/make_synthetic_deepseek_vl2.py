@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -206,9 +205,6 @@ def build_synthetic_deepseek_vl2(
 
     Sizes left None keep DeepSeek-VL2-Small's; the defaults give 1 dense + 8 MoE layers, ~9.8 GB in bf16.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     from vismmoe_edge.demo_deepseek_vl2 import CANDIDATES
     from vismmoe_edge.processor_deepseek_vl2 import (
         BOS,
@@ -238,82 +234,40 @@ def build_synthetic_deepseek_vl2(
     zero_rows = sorted(set(tok.convert_tokens_to_ids([IMAGE_TOKEN, BOS, PAD])) | set(range(len(tok), vocab)))
     specs = _plan(raw, dtype=dtype, seed=seed, router_std=router_std, expert_std=expert_std, embed_std=embed_std,
                   zero_lm_head_rows=zero_rows)  # fmt: skip
-    shards = msc._pack(specs, shard_bytes)
-    n = len(shards)
-    total = sum(s.nbytes for s in specs)
-    expert_specs = [s for s in specs if ".mlp.experts." in s.name]
-    expert_bytes = sum(s.nbytes for s in expert_specs)
     moe_layers = layers - raw["language_config"]["first_k_dense_replace"]
 
-    tmp = out_dir.parent / f".{out_dir.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    started = time.perf_counter()
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out_dir.name}",
-               disable=None if progress is None else not progress)  # fmt: skip
-    try:
-        for k, shard in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            tensors: dict[str, torch.Tensor] = {}
-            for spec in shard:
-                t = spec.make()
-                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                    raise AssertionError(f"{spec.name}: made {tuple(t.shape)} {t.dtype}, planned {spec.shape}")
-                tensors[spec.name] = t
-                weight_map[spec.name] = fname
-                bar.update(spec.nbytes)
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            os.chmod(tmp / fname, 0o644)
-            del tensors
-        bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    def write_extra(directory: Path) -> None:
+        (directory / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.convert_tokens_to_ids(EOS),
                       "pad_token_id": tok.pad_token_id, "do_sample": False}  # fmt: skip
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        DeepseekVL2Processor(tok, CANDIDATES, patch_size=14, downsample_ratio=2).save_pretrained(tmp)
-        marker = {
-            "synthetic": True,
-            "random_weights": True,
-            "builder": "tools/make_synthetic_deepseek_vl2.py",
-            "family": "deepseek-vl2",
-            "language_config": raw["language_config"],
-            "params": {
-                "layers": layers,
-                "moe_layers": moe_layers,
-                "vocab": vocab,
-                "experts": experts,
-                "top_k": top_k,
-                "shared": shared,
-                "dtype": str(dtype).removeprefix("torch."),
-                "router_std": router_std,
-                "expert_std": expert_std,
-                "embed_std": embed_std,
-                "linear_std": _LINEAR_STD,
-                "seed": seed,
-                "shard_bytes": shard_bytes,
-                "vision": "tiny",
-            },  # fmt: skip
-            "total_bytes": total,
-            "expert_bytes": expert_bytes,
-            "bytes_per_expert": expert_bytes // max(1, moe_layers * experts),
-            "non_expert_bytes": total - expert_bytes,
-            "shards": n,
-            "build_seconds": round(time.perf_counter() - started, 1),
-            "note": "Random weights for benchmarks and tests: the model's outputs are meaningless.",
-        }
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        bar.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        DeepseekVL2Processor(tok, CANDIDATES, patch_size=14, downsample_ratio=2).save_pretrained(directory)
+
+    marker = {
+        "builder": "tools/make_synthetic_deepseek_vl2.py",
+        "family": "deepseek-vl2",
+        "language_config": raw["language_config"],
+        "params": {
+            "layers": layers,
+            "moe_layers": moe_layers,
+            "vocab": vocab,
+            "experts": experts,
+            "top_k": top_k,
+            "shared": shared,
+            "dtype": str(dtype).removeprefix("torch."),
+            "router_std": router_std,
+            "expert_std": expert_std,
+            "embed_std": embed_std,
+            "linear_std": _LINEAR_STD,
+            "seed": seed,
+            "shard_bytes": shard_bytes,
+            "vision": "tiny",
+        },  # fmt: skip
+    }
+    return msc.write_checkpoint(
+        out_dir, specs, shard_bytes=shard_bytes, experts_total=moe_layers * experts, marker=marker,
+        write_extra=write_extra, progress=progress,
+    )  # fmt: skip
 
 
 def validate_checkpoint(model_dir: str | Path) -> dict[str, object]:
@@ -321,19 +275,7 @@ def validate_checkpoint(model_dir: str | Path) -> dict[str, object]:
     from vismmoe_edge.describe import describe_checkpoint
 
     model_dir = Path(model_dir)
-    index = json.loads((model_dir / INDEX_NAME).read_text())
-    seen: dict[str, str] = {}
-    total = 0
-    shards = sorted(set(index["weight_map"].values()))
-    for shard in shards:
-        for key, meta in msc.read_safetensors_header(model_dir / shard).items():
-            seen[key] = shard
-            total += meta["data_offsets"][1] - meta["data_offsets"][0]
-    if seen != index["weight_map"]:
-        missing = set(index["weight_map"]) ^ set(seen)
-        raise ValueError(f"{model_dir}: index and shard headers disagree on {sorted(missing)[:5]}")
-    if total != index["metadata"]["total_size"]:
-        raise ValueError(f"{model_dir}: shards hold {total} bytes, the index says {index['metadata']['total_size']}")
+    shards, seen, total = msc.check_shards(model_dir)
     info = describe_checkpoint(model_dir)
     return {
         "architecture": info["architecture"],

@@ -237,9 +237,10 @@ def _fused_part(info: TensorInfo, expert: int, kind: str, hidden: int, inter: in
 
 
 def build_expert_catalogue(
-    table: dict[str, TensorInfo], *, num_experts: int, hidden: int, inter: int
+    table: dict[str, TensorInfo], *, num_experts: int, hidden: int, inter: int, expected_layers: list[int] | None = None
 ) -> ExpertCatalogue:
-    """Locate every routed expert, in the fused (either orientation) or the per-expert layout."""
+    """Locate every routed expert, in the fused (either orientation) or the per-expert layout; with
+    `expected_layers` (what config.json implies), the checkpoint must hold experts for exactly those layers."""
     fused: dict[int, dict[str, TensorInfo]] = {}
     per_expert: dict[tuple[int, int], dict[str, TensorInfo]] = {}
     for name, info in table.items():
@@ -304,6 +305,8 @@ def build_expert_catalogue(
             f"expert tensors have dtype {next(iter(dtypes))[0]}; quantised experts are not supported yet"
         )
     moe_layers = sorted({layer for layer, _ in experts})
+    if expected_layers is not None and moe_layers != expected_layers:
+        raise VismmoeError(f"checkpoint has experts for layers {moe_layers}, config.json implies {expected_layers}")
     for layer in moe_layers:
         for e in range(num_experts):
             if (layer, e) not in experts:

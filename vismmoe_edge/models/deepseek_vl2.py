@@ -251,13 +251,13 @@ def moe_layer_indices(config: DeepseekVL2Config) -> list[int]:
 
 def catalogue_for(config: DeepseekVL2Config, table: dict[str, TensorInfo]) -> ExpertCatalogue:
     text = config.text_config
-    catalogue = build_expert_catalogue(
-        table, num_experts=text.n_routed_experts, hidden=text.hidden_size, inter=text.moe_intermediate_size
+    return build_expert_catalogue(
+        table,
+        num_experts=text.n_routed_experts,
+        hidden=text.hidden_size,
+        inter=text.moe_intermediate_size,
+        expected_layers=moe_layer_indices(config),
     )
-    expected = moe_layer_indices(config)
-    if catalogue.moe_layers != expected:
-        raise VismmoeError(f"checkpoint has experts for layers {catalogue.moe_layers}, config.json implies {expected}")
-    return catalogue
 
 
 def build_model(

@@ -78,7 +78,21 @@ class PrefillOps(Protocol):
         ...
 
 
-class MRopeOps:
+class NoDeepStack:
+    """Families whose vision tower adds nothing to the decoder's hidden states after a layer."""
+
+    def after_layer(
+        self,
+        language_model: Any,
+        index: int,
+        hidden: torch.Tensor,
+        visual_mask: torch.Tensor | None,
+        deepstack: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return hidden
+
+
+class MRopeOps(NoDeepStack):
     """The shared part: `get_rope_index` and the text model's own rotary embedding, as transformers calls them."""
 
     model_type = ""
@@ -143,18 +157,8 @@ class Glm4vMoeOps(MRopeOps):
 
         return VisionSaliency(model.model.visual, rotary=apply_rotary_pos_emb_vision)
 
-    def after_layer(
-        self,
-        language_model: Any,
-        index: int,
-        hidden: torch.Tensor,
-        visual_mask: torch.Tensor | None,
-        deepstack: list[torch.Tensor],
-    ) -> torch.Tensor:
-        return hidden
 
-
-class DeepseekVL2Ops:
+class DeepseekVL2Ops(NoDeepStack):
     """DeepSeek-VL2: 1-D RoPE positions 0..N-1 (carried as three equal rows, so that the engine's position
     bookkeeping stays one shape), no DeepStack. The tiled image layout is the model's own `image_features`.
 
@@ -194,16 +198,6 @@ class DeepseekVL2Ops:
 
     def rotary(self, language_model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return language_model.rotary_emb(hidden, positions[0])  # [1, N]: DeepSeek-V2 / Llama rotary take 1-D ids
-
-    def after_layer(
-        self,
-        language_model: Any,
-        index: int,
-        hidden: torch.Tensor,
-        visual_mask: torch.Tensor | None,
-        deepstack: list[torch.Tensor],
-    ) -> torch.Tensor:
-        return hidden
 
 
 OPS: dict[str, type] = {"qwen3_vl_moe": Qwen3VLMoeOps, "glm4v_moe": Glm4vMoeOps, "deepseek_vl_v2": DeepseekVL2Ops}

@@ -37,13 +37,13 @@ def read_config(directory: Path) -> Qwen3VLMoeConfig:
 
 def catalogue_for(config: Qwen3VLMoeConfig, table: dict[str, TensorInfo]) -> ExpertCatalogue:
     text = config.text_config
-    catalogue = build_expert_catalogue(
-        table, num_experts=text.num_experts, hidden=text.hidden_size, inter=text.moe_intermediate_size
+    return build_expert_catalogue(
+        table,
+        num_experts=text.num_experts,
+        hidden=text.hidden_size,
+        inter=text.moe_intermediate_size,
+        expected_layers=moe_layer_indices(config),
     )
-    expected = moe_layer_indices(config)
-    if catalogue.moe_layers != expected:
-        raise VismmoeError(f"checkpoint has experts for layers {catalogue.moe_layers}, config.json implies {expected}")
-    return catalogue
 
 
 def moe_layer_indices(config: Qwen3VLMoeConfig) -> list[int]:
