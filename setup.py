@@ -1,7 +1,7 @@
 """Builds the optional native page-cache helper; all other metadata lives in pyproject.toml.
 
 ``native/vismmoe_native.c`` has no Python API: it is compiled as ``vismmoe_edge/_vmnative*.so`` and loaded
-with ctypes by ``vismmoe_edge.pagecache``. A missing compiler (or any build error) only prints a warning:
+with ctypes by ``vismmoe_edge.experts.pagecache``. A missing compiler (or any build error) only prints a warning:
 the install succeeds and the pure-Python fallback is used.
 """
 

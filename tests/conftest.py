@@ -19,7 +19,7 @@ TEST_LAYERS = 10
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same random weights written in each expert layout (fp32, several shards)."""
-    from vismmoe_edge.demo import build_tiny_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {

@@ -10,9 +10,9 @@ import torch
 
 import vismmoe_edge
 from tests.test_cli import run_cli
-from vismmoe_edge.analyze import analyze_compressor, normalized_mutual_information
 from vismmoe_edge.compress.prune import CompressionConfig
-from vismmoe_edge.evaluate import shapes_vqa_items
+from vismmoe_edge.evaluation.analyze import analyze_compressor, normalized_mutual_information
+from vismmoe_edge.evaluation.vqa import shapes_vqa_items
 
 
 def test_nmi() -> None:

@@ -117,8 +117,7 @@ def test_json_run_equals_transformers_generate(tmp_path: Path, images) -> None:
     """A checkpoint written by transformers' save_pretrained, with its processor beside it."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from vismmoe_edge.demo import tiny_config
-    from vismmoe_edge.processor import build_offline_processor
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_processor, tiny_config
 
     processor = build_offline_processor(min_pixels=4096, max_pixels=32 * 32 * 48)
     config = tiny_config(tokenizer=processor.tokenizer, num_layers=3, num_experts=20, top_k=3, moe_intermediate=40)

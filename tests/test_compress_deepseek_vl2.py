@@ -21,7 +21,7 @@ from tests.test_deepseek_vl2 import picture, transformers_language_model
 from vismmoe_edge.compress import normalize01
 from vismmoe_edge.compress.prune import CompressionConfig
 from vismmoe_edge.compress.tile_saliency import TileSaliency, pool_to_tokens
-from vismmoe_edge.models.deepseek_vl2 import layout_index
+from vismmoe_edge.models.deepseek_vl2.model import layout_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from deepseek_vl2_reference import DeepseekVL2Reference  # noqa: E402
@@ -33,7 +33,7 @@ IMAGES = [picture(40, 120, 1), picture(90, 80, 2)]  # 42 px tiles: 1 wide x 3 hi
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from vismmoe_edge.demo_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
 
     root = tmp_path_factory.mktemp("dsc")
     return {v: build_tiny_deepseek_vl2_checkpoint(root / v, v, seed=3, num_layers=LAYERS) for v in ("tiny", "small")}

@@ -11,7 +11,7 @@ from transformers import DynamicCache, Qwen3VLMoeForConditionalGeneration
 
 import vismmoe_edge
 from vismmoe_edge.compress.prune import CompressionConfig, keep_mask
-from vismmoe_edge.processor import load_processor
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
 from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
 
 METHODS = ("random", "saliency", "zip", "affinity")

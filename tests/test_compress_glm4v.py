@@ -27,7 +27,7 @@ TOKENS = [5, 17, 42]
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vismmoe_edge.demo_glm4v import build_tiny_glm4v_checkpoint
+    from vismmoe_edge.testing.tiny_glm4v import build_tiny_glm4v_checkpoint
 
     return build_tiny_glm4v_checkpoint(tmp_path_factory.mktemp("glmc") / "tiny", seed=7, num_layers=LAYERS)
 
@@ -39,7 +39,7 @@ def hf_model(glm_dir: Path) -> Glm4vMoeForConditionalGeneration:
 
 @pytest.fixture(scope="module")
 def two_images(glm_dir: Path, images: list[Path]) -> PromptInputs:
-    from vismmoe_edge.processor_glm4v import load_glm4v_processor
+    from vismmoe_edge.models.glm4v_moe import load_glm4v_processor
 
     inputs = encode_prompt(load_glm4v_processor(glm_dir), "Which has more blue?", [load_image(p) for p in images])
     assert inputs.image_grid_thw[0].tolist() != inputs.image_grid_thw[1].tolist()
@@ -51,7 +51,8 @@ def test_patch_order_matches_the_tower_and_mrope(glm_dir: Path, hf_model) -> Non
     """GLM's processor orders patches block-major over 2x2 merge groups (what the tower's view(-1, 2, 2, C)
     downsample assumes and its rotary positions say), and LLM token m, made of patches [4m, 4m + 4), sits at the
     merged-grid cell its M-RoPE (h, w) positions name: so merge_to_llm_tokens is right for GLM."""
-    from vismmoe_edge.processor_glm4v import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, load_glm4v_processor
+    from vismmoe_edge.models.glm4v_moe import load_glm4v_processor
+    from vismmoe_edge.testing.tiny_glm4v import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
 
     processor = load_glm4v_processor(glm_dir)
     w, h = 112, 84  # multiples of 28 inside the pixel limits: no resampling, so colours survive exactly

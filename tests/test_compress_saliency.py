@@ -12,8 +12,13 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as qmod
 from transformers.vision_utils import get_vision_position_ids
 
 from vismmoe_edge.compress import VisionSaliency, attention_received, merge_to_llm_tokens, normalize01
-from vismmoe_edge.demo import tiny_config
-from vismmoe_edge.processor import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, build_offline_processor
+from vismmoe_edge.testing.tiny_qwen3_vl_moe import (
+    MERGE_SIZE,
+    PATCH_SIZE,
+    TEMPORAL_PATCH_SIZE,
+    build_offline_processor,
+    tiny_config,
+)
 
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64
 

@@ -36,7 +36,7 @@ VARIANTS = ("tiny", "small", "base")
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from vismmoe_edge.demo_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
 
     root = tmp_path_factory.mktemp("dsvl2")
     return {v: build_tiny_deepseek_vl2_checkpoint(root / v, v, seed=3, num_layers=LAYERS) for v in VARIANTS}
@@ -95,7 +95,7 @@ def test_checkpoint_is_in_the_original_layout(ckpts) -> None:
 # ---- language model vs transformers' DeepseekV2ForCausalLM ------------------------------------------------------
 def transformers_language_model(model_dir: Path) -> DeepseekV2ForCausalLM:
     """transformers' own model with the checkpoint's language weights under transformers' names (fused experts)."""
-    from vismmoe_edge.models.deepseek_vl2 import read_config
+    from vismmoe_edge.models.deepseek_vl2.model import read_config
 
     state = {}
     for shard in model_dir.glob("*.safetensors"):
@@ -217,12 +217,9 @@ def test_predictor_and_unified_tier_keep_tokens(ckpts) -> None:
 # ---- processor -----------------------------------------------------------------------------------------------
 def test_tiling_matches_hand_computed_layouts() -> None:
     """VL2's 384 px tiles and its candidate list: which resolution, how many tiles, how many tokens."""
-    from vismmoe_edge.models.deepseek_vl2_variants import CANDIDATE_RESOLUTIONS
-    from vismmoe_edge.processor_deepseek_vl2 import (
-        DeepseekVL2Processor,
-        build_offline_deepseek_vl2_tokenizer,
-        select_best_resolution,
-    )
+    from vismmoe_edge.models.deepseek_vl2.processor import DeepseekVL2Processor, select_best_resolution
+    from vismmoe_edge.models.deepseek_vl2.variants import CANDIDATE_RESOLUTIONS
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import build_offline_deepseek_vl2_tokenizer
 
     processor = DeepseekVL2Processor(build_offline_deepseek_vl2_tokenizer(), CANDIDATE_RESOLUTIONS)
     assert processor.tokens_per_side == 14  # ceil(384 / 14 / 2) = ceil(27 / 2)
@@ -249,7 +246,7 @@ def test_tiling_matches_hand_computed_layouts() -> None:
 
 
 def test_chat_format_is_deepseeks(ckpts) -> None:
-    from vismmoe_edge.processor_deepseek_vl2 import load_deepseek_vl2_processor
+    from vismmoe_edge.models.deepseek_vl2.processor import load_deepseek_vl2_processor
 
     processor = load_deepseek_vl2_processor(ckpts["tiny"])
     messages = [
@@ -287,8 +284,8 @@ def test_info_reports_shared_experts_in_the_resident_region(ckpts) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_released_configs_are_accepted(tmp_path: Path, variant: str) -> None:
-    from vismmoe_edge.models.deepseek_vl2 import read_config
-    from vismmoe_edge.models.deepseek_vl2_variants import variant_config
+    from vismmoe_edge.models.deepseek_vl2.model import read_config
+    from vismmoe_edge.models.deepseek_vl2.variants import variant_config
 
     (tmp_path / "config.json").write_text(json.dumps(variant_config(variant) | {"image_token_id": 128815}))
     config = read_config(tmp_path)

@@ -17,7 +17,9 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 
 from vismmoe_edge import demo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.processor import SPECIAL_TOKENS, build_offline_processor, load_processor
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
+from vismmoe_edge.testing import tiny_qwen3_vl_moe as tiny
+from vismmoe_edge.testing.tiny_qwen3_vl_moe import SPECIAL_TOKENS, build_offline_processor
 
 E, H, INTER = 16, 128, 48  # tiny_config defaults
 MAX_SHARD = 200_000  # "200KB" in transformers' units
@@ -40,7 +42,7 @@ def _chat(image: Image.Image, text: str = "Describe the image.") -> list[dict]:
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpts")
-    return {layout: demo.build_tiny_checkpoint(root / layout, seed=0, layout=layout) for layout in demo.LAYOUTS}
+    return {layout: tiny.build_tiny_checkpoint(root / layout, seed=0, layout=layout) for layout in tiny.LAYOUTS}
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,7 @@ def test_tokenizer_build_is_deterministic(tmp_path: Path) -> None:
         assert tok(special)["input_ids"] == [tok.convert_tokens_to_ids(special)]
 
 
-@pytest.mark.parametrize("layout", demo.LAYOUTS)
+@pytest.mark.parametrize("layout", tiny.LAYOUTS)
 def test_checkpoint_shards_and_index(ckpts: dict[str, Path], layout: str) -> None:
     d = ckpts[layout]
     weight_map = _index(d)
@@ -201,9 +203,9 @@ def test_demo_cache_dir_env(monkeypatch, tmp_path: Path) -> None:
 
 def test_ensure_random_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -> None:
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
-    first = demo.ensure_random_demo_model()
-    assert first == demo_cache / demo.DEMO_MODEL_NAME
-    assert json.loads((first / demo.DEMO_MARKER).read_text())["random_weights"] is True
+    first = tiny.ensure_random_demo_model()
+    assert first == demo_cache / tiny.DEMO_MODEL_NAME
+    assert json.loads((first / tiny.DEMO_MARKER).read_text())["random_weights"] is True
     assert json.loads((first / "config.json").read_text())["dtype"] == "bfloat16"
     assert len(set(_index(first).values())) > 1
     stamp = (first / demo.INDEX_NAME).stat().st_mtime_ns
@@ -211,8 +213,8 @@ def test_ensure_random_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -
     def no_rebuild(*args, **kwargs):
         raise AssertionError("ensure_random_demo_model rebuilt an existing model")
 
-    monkeypatch.setattr(demo, "build_tiny_checkpoint", no_rebuild)
-    assert demo.ensure_random_demo_model() == first
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", no_rebuild)
+    assert tiny.ensure_random_demo_model() == first
     assert (first / demo.INDEX_NAME).stat().st_mtime_ns == stamp
     assert [p.name for p in demo_cache.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
 

@@ -1,4 +1,4 @@
-"""vismmoe_edge.doctor on this host (CPU only, no jtop) and on recorded Jetson board trees."""
+"""vismmoe_edge.hardware.doctor on this host (CPU only, no jtop) and on recorded Jetson board trees."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vismmoe_edge import doctor, system
-from vismmoe_edge.doctor import Check, format_checks, healthy, run_checks
+from vismmoe_edge.hardware import doctor, system
+from vismmoe_edge.hardware.doctor import Check, format_checks, healthy, run_checks
 
 BOARDS = Path(__file__).parent / "fixtures" / "boards"
 

@@ -11,7 +11,7 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vismmoe_edge
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.processor import load_processor
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
 from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
 from vismmoe_edge.sampling import SamplingConfig
 
@@ -119,7 +119,7 @@ def test_popularity_policy_matches_transformers(checkpoints, references) -> None
 
 
 def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> None:
-    from vismmoe_edge.demo import build_tiny_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     model_dir = build_tiny_checkpoint(tmp_path / "bf16", seed=3, dtype=torch.bfloat16)
     engine = vismmoe_edge.load(model_dir, memory_budget="30%", pinned_layers=1, device="cpu")
@@ -145,7 +145,7 @@ def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("predictor", ["none", "next-layer-gate"])
 def test_cuda_slot_pool_matches_transformers(tmp_path: Path, images: list[Path], dtype, predictor: str) -> None:
-    from vismmoe_edge.demo import build_tiny_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=dtype, layout="hub", num_layers=8)
     engine = vismmoe_edge.load(model_dir, memory_budget="25%", pinned_layers=1, device="cuda", predictor=predictor)

@@ -13,10 +13,10 @@ from PIL import Image
 
 from tests.test_cli import assert_one_line_error, run_cli
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.evaluate import VQAItem, evaluate, folder_items, shapes_vqa_items
+from vismmoe_edge.evaluation.routing_stats import top_share
+from vismmoe_edge.evaluation.scoring import Scoreboard, normalize_answer
+from vismmoe_edge.evaluation.vqa import VQAItem, evaluate, folder_items, shapes_vqa_items
 from vismmoe_edge.experts.compute import ExpertRuntime
-from vismmoe_edge.routing_stats import top_share
-from vismmoe_edge.vqa_scoring import Scoreboard, normalize_answer
 
 
 def test_normalize_answer() -> None:
@@ -156,7 +156,7 @@ def test_folder_items_names_the_bad_line(tmp_path: Path) -> None:
 
 
 def test_shapes_vqa_items_are_the_split() -> None:
-    from vismmoe_edge import shapes_vqa as sv
+    from vismmoe_edge.evaluation import shapes_vqa as sv
 
     items = shapes_vqa_items("shifted", limit=3)
     reference = sv.generate_split("shifted", 3, sv.SPLITS["shifted"][0], shifted=True)

@@ -41,7 +41,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vismmoe_edge.demo_glm4v import build_tiny_glm4v_checkpoint
+    from vismmoe_edge.testing.tiny_glm4v import build_tiny_glm4v_checkpoint
 
     return build_tiny_glm4v_checkpoint(tmp_path_factory.mktemp("glm") / "tiny", seed=7, num_layers=LAYERS)
 
@@ -83,7 +83,7 @@ def hf_prefill_routes(model: Glm4vMoeForConditionalGeneration, inputs: PromptInp
 
 @pytest.fixture(scope="module")
 def references(glm_dir: Path, hf_model, images: list[Path]) -> dict[str, Reference]:
-    from vismmoe_edge.processor_glm4v import load_glm4v_processor
+    from vismmoe_edge.models.glm4v_moe import load_glm4v_processor
 
     processor = load_glm4v_processor(glm_dir)
     refs = {}
@@ -135,7 +135,7 @@ def test_tiny_checkpoint_is_in_the_glm_layout(glm_dir: Path) -> None:
 
 
 def test_processor_is_offline_and_counts_visual_tokens(glm_dir: Path, images: list[Path]) -> None:
-    from vismmoe_edge.processor_glm4v import load_glm4v_processor
+    from vismmoe_edge.models.glm4v_moe import load_glm4v_processor
 
     processor = load_glm4v_processor(glm_dir)
     inputs = encode_prompt(processor, "What is this?", [load_image(images[0])])
@@ -208,7 +208,7 @@ def test_resident_parts_are_loaded(glm_dir, hf_model) -> None:
 
 def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> None:
     """In bf16 transformers keeps the router (weight and bias) in fp32; so must we, or routing drifts."""
-    from vismmoe_edge.demo_glm4v import build_tiny_glm4v_checkpoint
+    from vismmoe_edge.testing.tiny_glm4v import build_tiny_glm4v_checkpoint
 
     model_dir = build_tiny_glm4v_checkpoint(tmp_path / "bf16", seed=3, dtype=torch.bfloat16, num_layers=4)
     engine = vismmoe_edge.load(model_dir, memory_budget="100%", device="cpu")
@@ -232,7 +232,7 @@ def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> No
 def test_compression_is_accepted_for_glm_and_refused_where_ops_say_no(glm_dir) -> None:
     """GLM supports compression (tests/test_compress_glm4v.py checks it); a family whose ops say it does not is
     refused in one line when the compressor is set, not mid-request."""
-    from vismmoe_edge.models.prefill_ops import Glm4vMoeOps
+    from vismmoe_edge.models.glm4v_moe import Glm4vMoeOps
 
     engine = vismmoe_edge.load(glm_dir, device="cpu")
     engine.compression = CompressionConfig("random", keep_ratio=0.5)

@@ -12,10 +12,10 @@ import vismmoe_edge
 from tests.test_cli import assert_one_line_error, run_cli
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.predict.calibration import CalibrationSet
+from vismmoe_edge.predict.checkpoint import save_checkpoint
 from vismmoe_edge.predict.learned import LearnedPredictor
 from vismmoe_edge.predict.lookahead import train_predictor
 from vismmoe_edge.predict.routing_features import FeatureRecorder
-from vismmoe_edge.predictor_cli import _save_checkpoint
 from vismmoe_edge.sampling import SamplingConfig
 
 
@@ -30,7 +30,7 @@ def model_with_predictor(checkpoints: dict[str, Path], images: list[Path], tmp_p
     arrays = recorder.arrays()
     data = CalibrationSet(**{k: v if v.ndim else v.item() for k, v in arrays.items()})
     model, _ = train_predictor(data, form="per_layer", epochs=3, val_requests=0, progress=False)
-    _save_checkpoint(model_dir / "predictor.pt", model, _)
+    save_checkpoint(model_dir / "predictor.pt", model, _)
     proc = run_cli("export-predictor", "--checkpoint", str(model_dir / "predictor.pt"), "--model", str(model_dir))
     assert proc.returncode == 0, proc.stderr
     assert "CPUExecutionProvider" in proc.stdout

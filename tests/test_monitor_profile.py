@@ -13,9 +13,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from vismmoe_edge import monitor
+from vismmoe_edge.cli.profile import profile_command
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.profiling import load_requests, profile_command, write_plots
+from vismmoe_edge.evaluation.profiling import load_requests, write_plots
+from vismmoe_edge.hardware import monitor
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # jtop 7.2.2's start() off-Jetson or with its service down (notes/jetson.md §4.4).

@@ -1,4 +1,4 @@
-"""vismmoe_edge.pagecache on a real file and the real page cache, with both backends.
+"""vismmoe_edge.experts.pagecache on a real file and the real page cache, with both backends.
 
 What this machine's page cache was found to honour (2-core VM, kernel 6.18, ext4 on virtio): fadvise
 DONTNEED evicts unmapped clean pages; mincore is truthful for the owner (root here); chunked WILLNEED
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from vismmoe_edge import pagecache as pc
+from vismmoe_edge.experts import page_ranges as pr
+from vismmoe_edge.experts import pagecache as pc
 
 MIB = 1 << 20
 PAGE = pc.PAGE_SIZE
@@ -114,23 +115,23 @@ def test_page_span_rounds_out() -> None:
 
 
 def test_chunk_spans_cover_the_page_span_in_chunks() -> None:
-    chunks = pc.chunk_spans(123, 5 * MIB, 2 * MIB)
+    chunks = pr.chunk_spans(123, 5 * MIB, 2 * MIB)
     assert chunks == [(0, 2 * MIB), (2 * MIB, 2 * MIB), (4 * MIB, MIB + PAGE)]
     # A chunk that is not a page multiple is rounded up; 0 means one call.
-    assert pc.chunk_spans(PAGE, 3 * PAGE, PAGE + 1) == [(PAGE, 2 * PAGE), (3 * PAGE, PAGE)]
-    assert pc.chunk_spans(10, 3 * MIB, 0) == [(0, 3 * MIB + PAGE)]
-    assert pc.chunk_spans(10, 0, MIB) == []
+    assert pr.chunk_spans(PAGE, 3 * PAGE, PAGE + 1) == [(PAGE, 2 * PAGE), (3 * PAGE, PAGE)]
+    assert pr.chunk_spans(10, 3 * MIB, 0) == [(0, 3 * MIB + PAGE)]
+    assert pr.chunk_spans(10, 0, MIB) == []
     for offset, length in RANGES:
-        chunks = pc.chunk_spans(offset, length, 2 * MIB)
+        chunks = pr.chunk_spans(offset, length, 2 * MIB)
         start, end = pc.page_span(offset, length)
         assert chunks[0][0] == start and sum(n for _, n in chunks) == end - start
         assert all(s % PAGE == 0 and n <= 2 * MIB for s, n in chunks)
 
 
 def test_split_range_is_byte_exact() -> None:
-    assert pc.split_range(100, 2 * MIB + 5, MIB) == [(100, MIB), (100 + MIB, MIB), (100 + 2 * MIB, 5)]
-    assert pc.split_range(7, 10, 0) == [(7, 10)]
-    assert pc.split_range(7, 0, MIB) == []
+    assert pr.split_range(100, 2 * MIB + 5, MIB) == [(100, MIB), (100 + MIB, MIB), (100 + 2 * MIB, 5)]
+    assert pr.split_range(7, 10, 0) == [(7, 10)]
+    assert pr.split_range(7, 0, MIB) == []
 
 
 def test_hint_chunk_follows_the_device_clamp(tmp_path: Path, data_file: Path) -> None:
@@ -414,7 +415,7 @@ for field in ("effective", "permitted", "inheritable"):
     setattr(data[0], field, getattr(data[0], field) & ~(1 << 14))
 assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
 
-from vismmoe_edge import pagecache as pc
+from vismmoe_edge.experts import pagecache as pc
 assert not pc.has_cap_ipc_lock()
 pc.set_backend(sys.argv[1])
 path = os.path.join(sys.argv[2], "f.bin")
@@ -454,7 +455,7 @@ def test_lock_stays_within_rlimit_memlock(backend: str, tmp_path: Path) -> None:
 
 
 def test_env_var_forces_the_python_backend() -> None:
-    code = "from vismmoe_edge import pagecache as pc; print(pc.backend(), pc.native_error())"
+    code = "from vismmoe_edge.experts import pagecache as pc; print(pc.backend(), pc.native_error())"
     env = dict(os.environ, VISMMOE_NATIVE="0", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.startswith("python disabled by VISMMOE_NATIVE=0")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vismmoe_edge import nvpmodel
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.profile_match import (
+from vismmoe_edge.hardware import nvpmodel
+from vismmoe_edge.hardware.profiles import (
     REQUIRED,
     REQUIRED_JETSON,
     get_profile,

@@ -78,7 +78,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 class Server:
-    """A `python -m vismmoe_edge.server` subprocess; its log goes to a file (a full pipe would block it)."""
+    """A `python -m vismmoe_edge.cli serve` subprocess; its log goes to a file (a full pipe would block it)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str], unix_socket: Path | None = None):
         self.log_path = log_path
@@ -86,7 +86,11 @@ class Server:
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vismmoe_edge.server", *args], stdout=log, stderr=log, env=full_env, cwd=REPO
+                [sys.executable, "-m", "vismmoe_edge.cli", "serve", *args],
+                stdout=log,
+                stderr=log,
+                env=full_env,
+                cwd=REPO,
             )
         self.port = 0
 
@@ -258,7 +262,7 @@ def big_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def random_demo_model() -> Path:
     """The tiny random-weight demo: these tests exercise the server, and its 64-token image cap keeps them fast."""
-    from vismmoe_edge.demo import ensure_random_demo_model
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import ensure_random_demo_model
 
     return ensure_random_demo_model()
 
@@ -585,7 +589,8 @@ def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     import typer
     import typer.main
 
-    from vismmoe_edge.server import parse_listen, serve_command
+    from vismmoe_edge.cli.serve import serve_command
+    from vismmoe_edge.server import parse_listen
     from vismmoe_edge.service import SERVE_SETTINGS
 
     app = typer.Typer()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vismmoe_edge import shapes_vqa as sv
+from vismmoe_edge.evaluation import shapes_vqa as sv
 
 PALETTE_NAMES = list(sv.PALETTE)
 PALETTE_RGB = np.array([sv.PALETTE[c] for c in PALETTE_NAMES], dtype=np.int32)

@@ -76,7 +76,7 @@ def test_loads_and_generates_in_vismmoe_edge(small_ckpt: Path) -> None:
 
 def test_real_size_plan_without_writing() -> None:
     """The default (8-layer, Qwen3-VL-30B-A3B-sized) plan: 9 MiB per expert, ~10.2 GB in all; nothing is written."""
-    from vismmoe_edge.processor import build_offline_tokenizer
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_tokenizer
 
     tok = build_offline_tokenizer()
     config = msc.synthetic_config(tokenizer=tok)

@@ -1,4 +1,4 @@
-"""vismmoe_edge.system against recorded board trees (tests/fixtures/boards/<board>/)."""
+"""vismmoe_edge.hardware.system against recorded board trees (tests/fixtures/boards/<board>/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vismmoe_edge import system
+from vismmoe_edge.hardware import system
 
 BOARDS = Path(__file__).parent / "fixtures" / "boards"
 GIB = 1 << 30

@@ -17,6 +17,7 @@ import typer
 from typer.testing import CliRunner
 
 from vismmoe_edge import service
+from vismmoe_edge.cli.serve import install_service_command
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_UNIT = REPO / "systemd" / "vismmoe-edge.service"
@@ -143,7 +144,7 @@ def test_existing_env_file_is_kept_unless_forced(tmp_path: Path) -> None:
 
 def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     app = typer.Typer()
-    app.command("install-service")(service.install_service_command)
+    app.command("install-service")(install_service_command)
     app.command("noop")(lambda: None)  # two commands, so the subcommand name is parsed as in the real CLI
     result = CliRunner().invoke(
         app, ["install-service", "--dry-run", "--dest", str(tmp_path / "etc"), "--memory-budget", "6GiB"]
@@ -156,7 +157,7 @@ def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
 
 def test_pinned_layers_go_to_extra_args_only_when_given(tmp_path: Path) -> None:
     app = typer.Typer()
-    app.command("install-service")(service.install_service_command)
+    app.command("install-service")(install_service_command)
     app.command("noop")(lambda: None)
     plain = CliRunner().invoke(app, ["install-service", "--dry-run"])
     pinned = CliRunner().invoke(app, ["install-service", "--dry-run", "--pinned-layers", "4"])
@@ -171,7 +172,7 @@ def test_exec_start_quotes_paths_with_spaces() -> None:
 
 def test_exec_start_parses_with_the_serve_command() -> None:
     """The unit's argv, with the env file's values substituted, is accepted by `serve`'s own parser."""
-    server = pytest.importorskip("vismmoe_edge.server")
+    from vismmoe_edge.cli.serve import serve_command
     env = dict(re.findall(r"^([A-Z_]+)=(.*)$", service.render_env(), re.MULTILINE))
     words = exec_start(service.render_unit()).split()[1:]  # drop the executable
     assert words[0] == "serve"
@@ -184,7 +185,7 @@ def test_exec_start_parses_with_the_serve_command() -> None:
         else:
             args.append(word)
     app = typer.Typer()
-    app.command()(server.serve_command)
+    app.command()(serve_command)
     context = typer.main.get_command(app).make_context("serve", args)  # parses and validates; runs nothing
     assert context.params["listen"] == service.DEFAULT_LISTEN
     assert str(context.params["model"]) == str(service.DEFAULT_MODEL)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import vismmoe_edge
-from vismmoe_edge import pagecache
+from vismmoe_edge.experts import pagecache
 from vismmoe_edge.sampling import SamplingConfig
 
 

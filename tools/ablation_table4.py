@@ -97,7 +97,7 @@ def main() -> None:
     import torch
     from tqdm import tqdm
 
-    from vismmoe_edge.evaluate import shapes_vqa_items
+    from vismmoe_edge.evaluation.vqa import shapes_vqa_items
 
     if args.device == "cpu":
         torch.set_num_threads(2)

@@ -42,7 +42,7 @@ def gpu_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, g: torch.
 def build_checkpoint(out: Path, layers: int) -> Path:
     import make_synthetic_checkpoint as msc
 
-    from vismmoe_edge.processor import build_offline_processor
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_processor
 
     if not (out / "model.safetensors.index.json").exists():
         msc._normal = gpu_normal  # same shapes and seeds per tensor, generated where it is fast
@@ -82,7 +82,7 @@ class TokenClock:
 
 def hf_inputs(model_dir: Path, image: Path) -> dict[str, torch.Tensor]:
     """The benchmark prompt as transformers' model takes it, on the GPU."""
-    from vismmoe_edge.processor import load_processor
+    from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
     from vismmoe_edge.prompt import encode_prompt, load_image
 
     inputs = encode_prompt(load_processor(model_dir), PROMPT, [load_image(image)])

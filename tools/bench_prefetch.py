@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vismmoe_edge import pagecache as pc
-from vismmoe_edge.system import kernel_release
+from vismmoe_edge.experts import pagecache as pc
+from vismmoe_edge.hardware.system import kernel_release
 
 MIB = 1 << 20
 Ranges = list[tuple[int, int]]

@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 def disk_bandwidth(catalogue, trials: int = 3, experts: int = 24) -> float:
     """Median GB/s of reading random experts cold, exactly as the unified tier fetches them (pread pool)."""
-    from vismmoe_edge import pagecache
+    from vismmoe_edge.experts import pagecache
 
     rng = random.Random(0)
     keys = list(catalogue.experts)

@@ -2,9 +2,10 @@
 """Issue 6's measurements: accuracy and expert demand of every compressor at several keep ratios, in one run.
 
 For each (compressor, keep ratio), on a freshly loaded engine (same cold cache for every setting):
-- accuracy: `vismmoe_edge.evaluate.evaluate` over the first `--limit` questions of the split (the seed paper's
+- accuracy: `vismmoe_edge.evaluation.vqa.evaluate` over the first `--limit` questions of the split (the seed paper's
   Table 3 form), with expert traffic (bytes read) through prefill and decode;
-- expert demand during prefill: `vismmoe_edge.analyze.analyze_compressor` over the first `--analyze-limit` prompts
+- expert demand during prefill: `vismmoe_edge.evaluation.analyze.analyze_compressor` over the first `--analyze-limit`
+  prompts
   on another fresh engine: unique experts per layer, bytes read per layer, prefill time (its Figure 3 form) and
   next-layer NMI per layer (its Figure 4 form).
 
@@ -29,9 +30,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vismmoe_edge.analyze import analyze_compressor  # noqa: E402
 from vismmoe_edge.compress.prune import CompressionConfig  # noqa: E402
-from vismmoe_edge.evaluate import evaluate, shapes_vqa_items  # noqa: E402
+from vismmoe_edge.evaluation.analyze import analyze_compressor  # noqa: E402
+from vismmoe_edge.evaluation.vqa import evaluate, shapes_vqa_items  # noqa: E402
 from vismmoe_edge.loader import load  # noqa: E402
 from vismmoe_edge.units import format_bytes  # noqa: E402
 

@@ -78,7 +78,7 @@ def synthetic_config(
 
     Built through `vismmoe_edge.demo.tiny_config`, so special token ids come from `tokenizer` the same way.
     """
-    from vismmoe_edge.demo import tiny_config
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import tiny_config
 
     if vision != "tiny":
         raise ValueError(f"vision={vision!r}: only the tiny vision tower is supported")
@@ -320,8 +320,7 @@ def build_synthetic_checkpoint(
     """
     from transformers import GenerationConfig
 
-    from vismmoe_edge.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS
-    from vismmoe_edge.processor import build_offline_processor
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, build_offline_processor
 
     if isinstance(dtype, str):
         dtype = _DTYPES[dtype]

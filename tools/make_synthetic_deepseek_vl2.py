@@ -74,8 +74,8 @@ def synthetic_config_json(
 ) -> dict[str, Any]:
     """config.json (original form): DeepSeek-VL2-Small's language_config with the given overrides (None keeps
     Small's value), the tiny demo's vision tower and candidate resolutions, a projector to `hidden`."""
-    from vismmoe_edge.demo_deepseek_vl2 import CANDIDATES, TILE
-    from vismmoe_edge.models.deepseek_vl2_variants import variant_config
+    from vismmoe_edge.models.deepseek_vl2.variants import variant_config
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import CANDIDATES, TILE
 
     raw = variant_config("small")
     lang = raw["language_config"]
@@ -110,8 +110,8 @@ def _plan(
     zero_lm_head_rows: list[int],
 ) -> list[msc._Spec]:
     """Every tensor of the checkpoint under its original name, in model order, with a closure making its data."""
-    from vismmoe_edge.demo_deepseek_vl2 import config_from_json
-    from vismmoe_edge.models.deepseek_vl2 import DeepseekVL2ForCausalLM
+    from vismmoe_edge.models.deepseek_vl2.model import DeepseekVL2ForCausalLM
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import config_from_json
 
     config = config_from_json(raw)
     with torch.device("meta"):
@@ -158,7 +158,7 @@ def _vision_specs(vision_config: Any, *, dtype: torch.dtype, seed: int) -> list[
     pool), initialised by the real class; it is tiny, so it is built here."""
     from transformers import SiglipVisionModel
 
-    from vismmoe_edge.demo_deepseek_vl2 import _timm_name
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import _timm_name
 
     torch.manual_seed(seed)
     tower = SiglipVisionModel(vision_config)
@@ -205,15 +205,8 @@ def build_synthetic_deepseek_vl2(
 
     Sizes left None keep DeepSeek-VL2-Small's; the defaults give 1 dense + 8 MoE layers, ~9.8 GB in bf16.
     """
-    from vismmoe_edge.demo_deepseek_vl2 import CANDIDATES
-    from vismmoe_edge.processor_deepseek_vl2 import (
-        BOS,
-        EOS,
-        IMAGE_TOKEN,
-        PAD,
-        DeepseekVL2Processor,
-        build_offline_deepseek_vl2_tokenizer,
-    )
+    from vismmoe_edge.models.deepseek_vl2.processor import BOS, EOS, IMAGE_TOKEN, PAD, DeepseekVL2Processor
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import CANDIDATES, build_offline_deepseek_vl2_tokenizer
 
     if isinstance(dtype, str):
         dtype = msc._DTYPES[dtype]

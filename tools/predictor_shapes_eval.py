@@ -103,10 +103,10 @@ def main() -> None:
         models[form], c = train_predictor(train, form=form, epochs=args.epochs, top_b=args.top_b)
         curves[form] = c.to_dict()
         if args.save_dir:
-            from vismmoe_edge.predictor_cli import _save_checkpoint
+            from vismmoe_edge.predict.checkpoint import save_checkpoint
 
             args.save_dir.mkdir(parents=True, exist_ok=True)
-            _save_checkpoint(args.save_dir / f"predictor-{form}.pt", models[form], c)
+            save_checkpoint(args.save_dir / f"predictor-{form}.pt", models[form], c)
     record: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": platform.machine(),

@@ -37,11 +37,15 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vismmoe_edge import shapes_vqa as sv  # noqa: E402
-from vismmoe_edge.demo import tiny_config  # noqa: E402
-from vismmoe_edge.processor import CHAT_TEMPLATE, build_offline_processor, build_offline_tokenizer  # noqa: E402
+from vismmoe_edge.evaluation import shapes_vqa as sv  # noqa: E402
+from vismmoe_edge.evaluation.scoring import Scoreboard  # noqa: E402
 from vismmoe_edge.prompt import build_messages  # noqa: E402
-from vismmoe_edge.vqa_scoring import Scoreboard  # noqa: E402
+from vismmoe_edge.testing.tiny_qwen3_vl_moe import (  # noqa: E402
+    CHAT_TEMPLATE,
+    build_offline_processor,
+    build_offline_tokenizer,
+    tiny_config,  # noqa: E402
+)
 
 MIN_PIXELS = 32 * 32 * 4
 MAX_PIXELS = 32 * 32 * 1089  # the largest Shapes-VQA image (1056 x 1056) passes unresized

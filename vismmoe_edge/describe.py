@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vismmoe_edge.checkpoint import TensorInfo, read_tensor_table
+from vismmoe_edge.checkpoint import TensorInfo
+from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.models.registry import model_family
 from vismmoe_edge.units import format_bytes
 
 # Resident parts worth naming: always-on shared experts (GLM-4.5V) and the MLPs of dense decoder layers
@@ -28,16 +28,14 @@ def resident_parts(resident: dict[str, TensorInfo]) -> dict[str, int]:
     }
 
 
-def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[str, Any]:
+def describe_checkpoint(model: Path | CheckpointInfo, memory_budget: str = "100%") -> dict[str, Any]:
     """Sizes are as stored in the checkpoint (its dtype); the budget is read against the same bytes."""
-    family = model_family(model_dir)
-    config = family.read_config(model_dir)
-    table = family.select_tensors(config, read_tensor_table(model_dir))
-    catalogue = family.catalogue_for(config, table)
+    info = as_checkpoint_info(model)
+    family, config, catalogue = info.family, info.config, info.catalogue
     text = config.text_config
     layer_bytes = catalogue.layer_bytes(catalogue.moe_layers[0])
     total = catalogue.total_bytes
-    resident_tensors = {name: info for name, info in table.items() if name not in catalogue.tensor_names}
+    resident_tensors = info.resident_tensors
     resident = sum(info.nbytes for info in resident_tensors.values())
     budget = parse_budget(memory_budget, total)
     fits = [
@@ -46,7 +44,7 @@ def describe_checkpoint(model_dir: Path, memory_budget: str = "100%") -> dict[st
         if n * layer_bytes + (catalogue.expert_bytes if n < len(catalogue.moe_layers) else 0) <= budget
     ]
     return {
-        "model_dir": str(model_dir),
+        "model_dir": str(info.model_dir),
         "architecture": family.architecture,
         "expert_layout": catalogue.layout,
         "dtype": catalogue.dtype,

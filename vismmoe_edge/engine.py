@@ -3,7 +3,7 @@
 transformers' `generate` cannot continue a sequence that was shortened mid-stack, and visual-token
 compression needs exactly that, so the engine owns the loop: embeddings, M-RoPE positions computed once,
 the DeepStack injections after the first layers (Qwen), a DynamicCache, sampling and streaming. What
-differs per model family sits behind `PrefillOps` (vismmoe_edge/models/prefill_ops.py).
+differs per model family sits behind `PrefillOps` (vismmoe_edge/models/ops.py).
 """
 
 from __future__ import annotations
@@ -21,20 +21,16 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.checkpoint import ExpertCatalogue
-from vismmoe_edge.compress.prune import (
-    CompressionConfig,
-    CompressionReport,
-    cut_sequence,
-    keep_mask,
-    merge_groups,
-    select_per_image,
-)
+from vismmoe_edge.compress.cut import cut_visual_tokens
+from vismmoe_edge.compress.prune import CompressionConfig, CompressionReport
+from vismmoe_edge.detokenize import TextStream
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
-from vismmoe_edge.models.prefill_ops import PrefillOps, SaliencyCapture, ops_for_model
+from vismmoe_edge.models.ops import PrefillOps
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
+from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
 
@@ -104,6 +100,7 @@ class Engine:
         processor: Any,
         experts: ExpertRuntime,
         catalogue: ExpertCatalogue,
+        context: StepContext,
         *,
         model_dir: Path,
         device: torch.device,
@@ -111,10 +108,10 @@ class Engine:
         eos_token_ids: list[int],
         is_demo: bool = False,
         pinned_layers: int = 0,
-        ops: PrefillOps | None = None,
+        ops: PrefillOps,
     ) -> None:
         self.model = model
-        self.ops = ops if ops is not None else ops_for_model(model)  # the family's vision/positions/DeepStack
+        self.ops = ops  # the family's vision, positions and DeepStack
         self.processor = processor
         self.experts = experts
         self.catalogue = catalogue
@@ -129,10 +126,23 @@ class Engine:
         self.pinned_layers = pinned_layers  # MoE layers always resident: the prefix that sees every token
         self.compression = CompressionConfig()  # visual-token compression, applied right after that prefix
         self.last_compression: CompressionReport | None = None
-        # What a lookahead predictor pools over, kept current through the cut: the rows of the sequence now in
-        # flight that are visual tokens (None: every row), and the mean of the kept visual embeddings.
-        self.interest_rows: torch.Tensor | None = None
-        self.visual_summary: torch.Tensor | None = None
+        self.context = context  # what observers of a step read: tokens of interest, the visual summary
+
+    @property
+    def interest_rows(self) -> torch.Tensor | None:
+        return self.context.interest_rows
+
+    @interest_rows.setter
+    def interest_rows(self, rows: torch.Tensor | None) -> None:
+        self.context.interest_rows = rows
+
+    @property
+    def visual_summary(self) -> torch.Tensor | None:
+        return self.context.visual_summary
+
+    @visual_summary.setter
+    def visual_summary(self, summary: torch.Tensor | None) -> None:
+        self.context.visual_summary = summary
 
     @property
     def compression(self) -> CompressionConfig:
@@ -237,10 +247,14 @@ class Engine:
             for i, layer in enumerate(lm.layers):
                 if i == cut_at:
                     start = time.perf_counter()
-                    hidden, positions, visual_mask, deepstack = self._compress(
-                        hidden, positions, cache, visual_mask, deepstack, grid, saliency, prefix_routes, i
-                    )
-                    kept_visual = self.last_compression.kept_visual_mask
+                    done = cut_visual_tokens(
+                        self.compression, self.ops, self.model, hidden, positions, cache, visual_mask, deepstack,
+                        grid, saliency, prefix_routes, self.catalogue.moe_layers[: self.pinned_layers], i,
+                    )  # fmt: skip
+                    hidden, positions, deepstack = done.hidden, done.positions, done.deepstack
+                    visual_mask = done.visual_mask
+                    self.last_compression = done.report
+                    kept_visual = done.report.kept_visual_mask
                     self.interest_rows = visual_mask[0]
                     self.visual_summary = image_embeds[kept_visual.to(image_embeds.device)].float().mean(dim=0)
                     cos_sin = self.ops.rotary(lm, hidden, positions)
@@ -267,61 +281,6 @@ class Engine:
         if self.pinned_layers == 0:
             return 0
         return self.catalogue.moe_layers[self.pinned_layers - 1] + 1
-
-    def _compress(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        visual_mask: torch.Tensor,
-        deepstack: list[torch.Tensor],
-        grid: torch.Tensor,
-        saliency: SaliencyCapture | None,
-        prefix_routes: dict[int, torch.Tensor],
-        cut_at: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Choose each image's kept visual tokens and cut hidden states, positions, the prefix KV cache and the
-        DeepStack features still to come, all by the same rows. Selection runs over each image's droppable
-        tokens only (the family's ops say which: all for Qwen and GLM; patch tokens for DeepSeek-VL2)."""
-        config = self.compression
-        tokens_per_image = self.ops.visual_token_counts(self.model, grid)
-        droppable = self.ops.droppable_tokens(self.model, grid)  # per image, indices into its visual tokens
-        report = CompressionReport(method=config.method, visual_tokens=sum(tokens_per_image))
-        seq_mask = visual_mask[0]
-        visual_rows = seq_mask.nonzero().flatten()
-        starts = [sum(tokens_per_image[:i]) for i in range(len(tokens_per_image))]
-        candidates = [start + rows for start, rows in zip(starts, droppable, strict=True)]  # into all visual tokens
-        counts = [len(rows) for rows in droppable]
-        scores = [s.cpu() for s in saliency.per_image()] if saliency is not None else None
-        if scores is not None and [len(s) for s in scores] != counts:
-            raise RuntimeError(f"saliency covers {[len(s) for s in scores]} tokens per image, not {counts}")
-        prefix_experts = None
-        if config.method == "affinity":
-            if self.pinned_layers == 0:
-                report.note = "no pinned prefix: affinity has no prefix routing to use, so it keeps by saliency only"
-            else:
-                layers = self.catalogue.moe_layers[: self.pinned_layers]
-                routed = torch.stack([prefix_routes[layer][visual_rows] for layer in layers], dim=1)  # [V, L, k]
-                prefix_experts = [routed[rows.to(routed.device)].cpu() for rows in candidates]
-        visual_hidden = [hidden[0, visual_rows[rows.to(visual_rows.device)]] for rows in candidates]
-        chosen, groups = select_per_image(config, counts, scores, prefix_experts, visual_hidden)
-        # Back from positions among the droppable tokens to indices into each image's visual tokens.
-        chosen = [rows[c] for rows, c in zip(droppable, chosen, strict=True)]
-        groups = [None if g is None else [rows[x] for x in g] for rows, g in zip(droppable, groups, strict=True)]
-        filled = list(cache.layers[:cut_at])
-        if any(g is not None for g in groups):
-            merge_groups(hidden, filled, seq_mask, tokens_per_image, chosen, groups)
-        kept = [_with_fixed_tokens(c, rows, n) for c, rows, n in zip(chosen, droppable, tokens_per_image, strict=True)]
-        keep = keep_mask(seq_mask, tokens_per_image, kept)
-        # DeepStack rows are in visual-token order: keep those of kept visual tokens, for layers still to come.
-        kept_visual = keep[visual_rows]
-        deepstack = [d if j < cut_at else d[kept_visual] for j, d in enumerate(deepstack)]
-        hidden, positions = cut_sequence(keep, hidden, positions, filled)
-        report.kept = kept
-        report.kept_visual_mask = kept_visual
-        report.kept_visual_tokens = int(kept_visual.sum())
-        self.last_compression = report
-        return hidden, positions, visual_mask[:, keep], deepstack
 
     # ---- decode -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -462,33 +421,3 @@ class Engine:
         )
 
 
-def _with_fixed_tokens(chosen: torch.Tensor, droppable: torch.Tensor, n: int) -> torch.Tensor:
-    """The chosen tokens plus every token that may not be dropped, ascending, as indices into n visual tokens."""
-    fixed = torch.ones(n, dtype=torch.bool)
-    fixed[droppable] = False
-    if not bool(fixed.any()):
-        return chosen
-    return torch.cat([chosen, fixed.nonzero().flatten()]).sort().values
-
-
-class TextStream:
-    """Incremental detokenisation: emit only text that can no longer change (no half UTF-8 characters)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.text = ""
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if decoded.endswith("\ufffd"):
-            return ""
-        piece, self.text = decoded[len(self.text) :], decoded
-        return piece
-
-    def finish(self) -> str:
-        """Flush what was held back (a reply may really end in an invalid byte sequence)."""
-        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        piece, self.text = decoded[len(self.text) :], decoded
-        return piece

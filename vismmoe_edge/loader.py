@@ -6,15 +6,16 @@ import json
 import os
 from pathlib import Path
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, read_tensor_table
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue
+from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.compute import Predictor
 from vismmoe_edge.experts.pipeline import POLICIES
-from vismmoe_edge.experts.runtime import attach_predictor, build_runtime
+from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH, attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
-from vismmoe_edge.models.registry import model_family
+from vismmoe_edge.predict.factory import check_predictor_name, make_predictor
+from vismmoe_edge.step_context import StepContext
 
 
 def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[int]:
@@ -34,68 +35,6 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
         if isinstance(value, list) and value:
             return [int(v) for v in value]
     return []
-
-
-PREDICTORS = ("none", "next-layer-gate", "previous-token", "learned", "auto")
-
-
-def find_learned_predictor(name: str, model_dir: Path) -> Path | None:
-    """The ONNX file a predictor option names: an explicit .onnx path, or the one beside the checkpoint for
-    "learned" (required) and "auto" (used when present)."""
-    from vismmoe_edge.predict.onnx_runtime import PREDICTOR_FILENAME
-
-    if name.endswith(".onnx"):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise VismmoeError(f"--predictor {name}: file not found")
-        return path
-    if name not in ("learned", "auto"):
-        return None
-    path = model_dir / PREDICTOR_FILENAME
-    if path.is_file():
-        return path
-    if name == "learned":
-        raise VismmoeError(
-            f"--predictor learned: no {PREDICTOR_FILENAME} in {model_dir}; make one with calibrate, "
-            "train-predictor and export-predictor --model DIR"
-        )
-    return None
-
-
-def make_learned_predictor(path: Path, engine: Engine) -> Predictor:
-    from vismmoe_edge.predict.learned import LearnedPredictor
-    from vismmoe_edge.predict.onnx_runtime import PredictorSession
-
-    try:
-        session = PredictorSession(path, prefer_gpu=engine.device.type == "cuda")
-    except VismmoeError:
-        # onnxruntime missing or unable to run the file: the torch checkpoint saved beside it, if any
-        fallback = path.with_suffix(".pt")
-        if not fallback.is_file():
-            raise
-        from vismmoe_edge.predict.onnx_runtime import TorchPredictorSession
-        from vismmoe_edge.predictor_cli import load_checkpoint
-
-        session = TorchPredictorSession(load_checkpoint(fallback))
-    try:
-        return LearnedPredictor(session, session.metadata, engine)
-    except ValueError as e:
-        raise VismmoeError(f"{path}: {e}") from None
-
-
-def make_predictor(name: str, model: object, moe_layers: list[int]) -> Predictor | None:
-    from vismmoe_edge.predict.simple import NextLayerGatePredictor, PreviousTokenPredictor
-
-    if name in ("none", "learned", "auto") or name.endswith(".onnx"):
-        return None  # the learned predictor needs the engine: attached after it is built
-    layers = model.model.language_model.layers  # type: ignore[attr-defined]
-    top_k = layers[moe_layers[0]].mlp.gate.top_k
-    if name == "next-layer-gate":
-        # GLM keeps its routers in fp32 under bf16/fp16; the predictor multiplies them with compute-dtype states
-        dtype = model.lm_head.weight.dtype  # type: ignore[attr-defined]
-        gates = {i: layers[i].mlp.gate.weight.to(dtype) for i in moe_layers}
-        return NextLayerGatePredictor(gates, top_b=2 * top_k)
-    return PreviousTokenPredictor(moe_layers)
 
 
 def drop_unneeded_pages(files: ShardFiles, table: dict, catalogue: ExpertCatalogue, pinned: set[int]) -> None:
@@ -120,7 +59,7 @@ def drop_unneeded_pages(files: ShardFiles, table: dict, catalogue: ExpertCatalog
 
 
 def load(
-    model_dir: str | Path | None = None,
+    model_dir: str | Path | CheckpointInfo | None = None,
     *,
     memory_budget: str = "100%",
     pinned_layers: int = 0,
@@ -129,10 +68,12 @@ def load(
     tier: str = "auto",
     predictor: str = "none",
     policy: str = "lru",
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
 ) -> Engine:
-    """Load a Qwen3-VL-MoE or GLM-4.5V checkpoint with its routed experts left on disk.
+    """Load a Qwen3-VL-MoE, GLM-4.5V or DeepSeek-VL2 checkpoint with its routed experts left on disk.
 
-    model_dir: a Hugging Face model directory; None uses the built-in demo model (created on first use).
+    model_dir: a Hugging Face model directory (or what `inspect_checkpoint` read of one); None uses the built-in
+        demo model.
     memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
         of all routed-expert bytes at the compute dtype.
     pinned_layers: the first N MoE layers keep all their experts resident.
@@ -144,53 +85,53 @@ def load(
         the path of a .onnx file.
     policy: which finished expert leaves first: "lru" (least recently used) or "popularity" (the one the
         fewest tokens routed to, decayed; then least recently used).
-    """
-    is_demo = model_dir is None
-    if model_dir is None:
-        from vismmoe_edge.demo import ensure_demo_model
+    prefetch_depth: MoE layers' worth of top-k experts that predictions may have in flight at once.
 
-        model_dir = ensure_demo_model()
-    model_dir = Path(model_dir).expanduser()
-    family = model_family(model_dir)  # by config.json's model_type; anything else is one-line refused
-    config = family.read_config(model_dir)
-    table = family.select_tensors(config, read_tensor_table(model_dir))
-    catalogue = family.catalogue_for(config, table)
+    Options left to the planner ("auto" budget, ...) are filled by `vismmoe_edge.options.load_engine`.
+    """
+    info = as_checkpoint_info(model_dir)
+    model_dir, config, table, catalogue = info.model_dir, info.config, info.table, info.catalogue
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, TORCH_DTYPES[catalogue.dtype], torch_device)
-    processor = family.load_processor(model_dir)
+    processor = info.family.load_processor(model_dir)
 
     if policy not in POLICIES:
         raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
-    if predictor not in PREDICTORS and not predictor.endswith(".onnx"):  # before the model is built, not after
-        raise VismmoeError(f"--predictor {predictor!r}: use one of {', '.join(PREDICTORS)}, or a .onnx file")
-    learned = find_learned_predictor(predictor, model_dir)
+    check_predictor_name(predictor)  # before the model is built, not after
     moe_layers = catalogue.moe_layers
     if not 0 <= pinned_layers <= len(moe_layers):
         raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")
+    if prefetch_depth < 0:
+        raise VismmoeError(f"--prefetch-depth {prefetch_depth}: must not be negative")
+    context = StepContext(moe_layers, catalogue.num_experts, info.top_k)
     files = ShardFiles()
     store = ExpertStore(catalogue, files, torch_dtype, torch_device)
     total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
     budget = parse_budget(memory_budget, total_expert_bytes)
     runtime = build_runtime(
-        store, budget_bytes=budget, pinned_layers=moe_layers[:pinned_layers], tier=tier, policy=policy
+        store,
+        budget_bytes=budget,
+        pinned_layers=moe_layers[:pinned_layers],
+        tier=tier,
+        policy=policy,
+        speculative_experts=prefetch_depth * info.top_k,
     )
-    model = family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
+    model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
     if runtime.pipeline.tier.name in ("unified", "mmap"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
-    attach_predictor(runtime, make_predictor(predictor, model, catalogue.moe_layers))
-    engine = Engine(
+    on_gpu = torch_device.type == "cuda"
+    attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
+    return Engine(
         model,
         processor,
         runtime,
         catalogue,
+        context,
         model_dir=model_dir,
         device=torch_device,
         dtype=torch_dtype,
         eos_token_ids=eos_token_ids(model_dir, config, processor.tokenizer),
-        is_demo=is_demo,
+        is_demo=info.is_demo,
         pinned_layers=pinned_layers,
-        ops=family.ops,
+        ops=info.family.ops,
     )
-    if learned is not None:
-        attach_predictor(runtime, make_learned_predictor(learned, engine))
-    return engine

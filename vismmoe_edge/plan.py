@@ -19,16 +19,14 @@ cache instead follows the routing's skew.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-
-from vismmoe_edge import system
+from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.profile_match import Profile, select_profile
+from vismmoe_edge.hardware import system
+from vismmoe_edge.hardware.profiles import Profile
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
@@ -60,10 +58,6 @@ class Plan:
     def cache_experts(self) -> int:
         return self.cache_bytes // self.bytes_per_expert if self.bytes_per_expert else 0
 
-    def load_kwargs(self) -> dict[str, Any]:
-        """What `loader.load(...)` takes from the plan (sizes are bytes at the checkpoint dtype)."""
-        return {"memory_budget": str(self.memory_budget_bytes), "pinned_layers": self.pinned_layers, "tier": self.tier}
-
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"cache_experts": self.cache_experts}
 
@@ -89,7 +83,7 @@ def _m_avail(profile: Profile, mem_available: int | None, gpu_free: int | None, 
 
 
 def make_plan(
-    model_dir: Path,
+    model: Path | CheckpointInfo,
     profile: Profile,
     *,
     mem_available: int | None = None,
@@ -103,7 +97,9 @@ def make_plan(
     (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value."""
     from vismmoe_edge.describe import describe_checkpoint
 
-    d = describe_checkpoint(Path(model_dir))
+    checkpoint = as_checkpoint_info(model)
+    model_dir = checkpoint.model_dir
+    d = describe_checkpoint(checkpoint)
     n, k, e = d["moe_layers"], d["top_k"], d["experts_per_layer"]
     s_e, s_layer, resident = d["bytes_per_expert"], d["expert_bytes_per_layer"], d["resident_bytes"]
     m_avail, source = _m_avail(profile, mem_available, gpu_free, root)
@@ -222,31 +218,3 @@ def format_plan(plan: Plan) -> str:
     lines.append("why:")
     lines += [f"  - {reason}" for reason in plan.why]
     return "\n".join(lines)
-
-
-def plan_command(
-    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
-    profile: Annotated[str, typer.Option("--profile", help="a profile name, or auto (detect board and mode)")] = "auto",
-    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    l_semantic: Annotated[
-        int | None, typer.Option("--l-semantic", min=0, help="lowest pinned depth; default from the profile")
-    ] = None,
-    c_safe_gib: Annotated[
-        float | None, typer.Option("--c-safe-gib", min=0.0, help="headroom kept free (GiB); default from the profile")
-    ] = None,
-) -> None:
-    """Choose the pinned-prefix depth, expert-cache size and prefetch depth for this machine, and say why."""
-    try:
-        chosen, reason, profile_warnings = select_profile(profile)
-        plan = make_plan(
-            model_dir,
-            chosen,
-            l_semantic=l_semantic,
-            c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),
-            profile_reason=reason,
-        )
-    except VismmoeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    plan.warnings[:0] = profile_warnings
-    typer.echo(json.dumps(plan.as_dict(), indent=2) if json_out else format_plan(plan))

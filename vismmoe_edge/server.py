@@ -32,19 +32,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-import typer
-
 from vismmoe_edge import sdnotify
-from vismmoe_edge.cli_options import AffinityWeightOpt, CompressorOpt, KeepRatioOpt, SalientRatioOpt
 from vismmoe_edge.errors import VismmoeError
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from vismmoe_edge.engine import Engine
+    from vismmoe_edge.options import LoadOptions, ResolvedOptions
     from vismmoe_edge.prompt import PromptInputs
 
 log = logging.getLogger("vismmoe_edge.server")
@@ -665,7 +663,8 @@ class Worker:
         return job.cancel_reason is not None
 
     def generate(self, job: Job, inputs: PromptInputs) -> Completion:
-        from vismmoe_edge.engine import TextStream, Timings
+        from vismmoe_edge.detokenize import TextStream
+        from vismmoe_edge.engine import Timings
         from vismmoe_edge.sampling import SamplingConfig
 
         req = job.request
@@ -773,53 +772,53 @@ class Service:
 
     # -- lifecycle (main thread) --
     def load(self) -> None:
-        from vismmoe_edge.loader import load
+        from vismmoe_edge.checkpoint_info import inspect_checkpoint
+        from vismmoe_edge.options import load_resolved
 
         o = self.options
-        self.settings = self.plan_settings(replan=False)
-        self.engine = load(
-            o.model, device=o.device, dtype=o.dtype, predictor=o.predictor, policy=o.policy, **self.settings
-        )
-        if o.compression is not None:
-            self.engine.compression = o.compression
+        checkpoint = inspect_checkpoint(o.model)
+        resolved = self.resolve(checkpoint, replan=False)
+        self.engine = load_resolved(checkpoint, self.load_options(), resolved)
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
         self.worker.thread.start()
         self.state = "ok"
 
-    def plan_settings(self, replan: bool) -> dict[str, Any]:
-        """memory_budget, pinned_layers and tier, the planner filling what was left to it ("auto", no
-        --pinned-layers), as `vismmoe-edge run` does. On a re-plan the planner must not count our own memory."""
+    def load_options(self) -> LoadOptions:
+        from vismmoe_edge.options import LoadOptions
+
         o = self.options
-        settings = {"memory_budget": o.memory_budget, "pinned_layers": o.pinned_layers, "tier": o.tier}
-        if not replan and "auto" not in (o.memory_budget, o.tier) and o.pinned_layers is not None:
-            return settings  # nothing left to the planner
-        from vismmoe_edge.plan import make_plan
-        from vismmoe_edge.profile_match import select_profile
-
-        model = o.model
-        if model is None:
-            from vismmoe_edge.demo import ensure_demo_model
-
-            model = ensure_demo_model()
-        chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
-        plan = make_plan(model, chosen, profile_reason=reason, **(self.memory_without_us() if replan else {}))
-        for warning in warnings + plan.warnings:
-            log.warning("plan: %s", warning)
-        planned = plan.load_kwargs()
-        for key, value in settings.items():
-            if value in ("auto", None):
-                settings[key] = planned[key]
-        self.profile_name = chosen.name
-        log.info(
-            "plan: profile %s (%s): %s pinned layers, expert budget %s B, tier %s",
-            chosen.name,
-            reason,
-            settings["pinned_layers"],
-            settings["memory_budget"],
-            settings["tier"],
+        return LoadOptions(
+            memory_budget=o.memory_budget,
+            pinned_layers=o.pinned_layers,
+            tier=o.tier,
+            device=o.device,
+            dtype=o.dtype,
+            predictor=o.predictor,
+            policy=o.policy,
+            profile=o.profile,
+            compression=o.compression,
         )
-        return settings
+
+    def resolve(self, checkpoint: Any, replan: bool) -> ResolvedOptions:
+        """The options with the planner's choices filled in, as `vismmoe-edge run` resolves them. On a re-plan
+        the planner must not count our own memory."""
+        from vismmoe_edge.options import resolve
+
+        measured = self.memory_without_us() if replan else {}
+        resolved = resolve(self.load_options(), checkpoint, **measured)
+        if resolved.plan is not None:
+            self.profile_name = resolved.plan.profile
+            for warning in resolved.plan.warnings:
+                log.warning("plan: %s", warning)
+            log.info("%s", resolved.note)
+        self.settings = {
+            "memory_budget": resolved.memory_budget,
+            "pinned_layers": resolved.pinned_layers,
+            "tier": resolved.tier,
+            "prefetch_depth": resolved.prefetch_depth,
+        }
+        return resolved
 
     def memory_without_us(self) -> dict[str, int]:
         """What the planner would measure were this process not loaded: MemAvailable plus our anonymous memory,
@@ -837,12 +836,16 @@ class Service:
     def reload_profile(self) -> None:
         """The SIGHUP hook: re-plan from --profile (auto follows a power-mode change) and compare with what is
         loaded. Applying a different plan needs the engine rebuilt, which this does not do yet: it says so."""
+        from vismmoe_edge.checkpoint_info import inspect_checkpoint
+
+        loaded = dict(self.settings)
         try:
-            settings = self.plan_settings(replan=True)
+            self.resolve(inspect_checkpoint(self.options.model), replan=True)
         except VismmoeError as e:
             log.error("SIGHUP: cannot re-plan (%s); keeping the current settings", e)
             return
-        changed = {k: (self.settings[k], v) for k, v in settings.items() if str(v) != str(self.settings[k])}
+        settings, self.settings = self.settings, loaded
+        changed = {k: (loaded[k], v) for k, v in settings.items() if str(v) != str(loaded[k])}
         if changed:
             text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
             log.warning("profile reloaded: the new plan differs (%s); restart the service to apply it", text)
@@ -1429,122 +1432,3 @@ def main_loop(service: Service, httpd: TCPServer | UnixServer, signals: Signals)
     stop_http(httpd)
     log.info("stopped")
     return 0
-
-
-# ---- the command ---------------------------------------------------------------------------------------
-
-
-def serve_command(
-    model: Annotated[
-        Path | None, typer.Option("--model", help="Hugging Face model directory; omit for the built-in demo model")
-    ] = None,
-    model_id: Annotated[
-        str | None, typer.Option("--model-id", help="the model name clients send; default: the directory name")
-    ] = None,
-    host: Annotated[str, typer.Option("--host", help="TCP address; loopback by default")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one")] = 8000,
-    unix_socket: Annotated[
-        Path | None, typer.Option("--unix-socket", help="listen on this Unix socket instead of TCP")
-    ] = None,
-    listen: Annotated[
-        str | None,
-        typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
-    ] = None,
-    memory_budget: Annotated[
-        str,
-        typer.Option(
-            "--memory-budget", help="expert bytes kept in memory: a size (2GiB), a share (40%), or auto (plan)"
-        ),
-    ] = "auto",
-    pinned_layers: Annotated[
-        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: plan's")
-    ] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")] = "auto",
-    tier: Annotated[str, typer.Option("--tier", help="cache: auto (the plan's), host, gpu, unified, mmap")] = "auto",
-    predictor: Annotated[
-        str,
-        typer.Option(
-            "--predictor", help="prefetch driver: auto, none, learned, next-layer-gate, previous-token, or a .onnx file"
-        ),
-    ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
-    compressor: CompressorOpt = "none",
-    keep_ratio: KeepRatioOpt = 0.7,
-    salient_ratio: SalientRatioOpt = 0.3,
-    affinity_weight: AffinityWeightOpt = 2.0,
-    profile: Annotated[
-        str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
-    ] = "auto",
-    image_dir: Annotated[
-        Path | None, typer.Option("--image-dir", help="local image paths must lie under this directory")
-    ] = None,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting; more get 429")] = 8,
-    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 4096,
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", "--max-new-tokens", min=1, help="cap on a reply's tokens, and the default")
-    ] = 512,
-    max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="per image, e.g. 20MiB")] = "20MiB",
-    max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1)] = 4096 * 4096,
-    max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
-    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "64MiB",
-    request_timeout: Annotated[
-        float, typer.Option("--request-timeout", min=0.1, help="seconds from arrival, queueing included")
-    ] = 300.0,
-    drain_timeout: Annotated[
-        float, typer.Option("--drain-timeout", min=0.0, help="on SIGTERM, seconds to finish in-flight work")
-    ] = 30.0,
-    load_timeout: Annotated[
-        float, typer.Option("--load-timeout", min=1.0, help="start-up time asked of systemd (EXTEND_TIMEOUT_USEC)")
-    ] = 600.0,
-    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
-) -> None:
-    """Serve one loaded model over an OpenAI-compatible HTTP API (a systemd Type=notify daemon)."""
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(message)s"
-    )
-    try:
-        limits = Limits(
-            max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
-            max_image_bytes=parse_size(max_image_bytes, "--max-image-bytes"),
-            max_image_pixels=max_image_pixels,
-            max_images=max_images,
-            max_prompt_tokens=max_prompt_tokens,
-            max_tokens=max_tokens,
-            max_queue=max_queue,
-            request_timeout_s=request_timeout,
-        )
-        from vismmoe_edge.compress.prune import CompressionConfig
-
-        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
-        if listen is not None:
-            host, port, unix_socket = parse_listen(listen)
-        options = ServeOptions(
-            model=model,
-            model_id=model_id,
-            host=host,
-            port=port,
-            unix_socket=unix_socket,
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            device=device,
-            dtype=dtype,
-            tier=tier,
-            predictor=predictor,
-            policy=policy,
-            compression=compression,
-            profile=profile,
-            image_dir=image_dir,
-            limits=limits,
-            drain_timeout_s=drain_timeout,
-            load_timeout_s=load_timeout,
-        )
-        code = serve(options)
-    except VismmoeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    raise typer.Exit(code)
-
-
-if __name__ == "__main__":
-    typer.run(serve_command)

@@ -17,9 +17,6 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from vismmoe_edge.errors import VismmoeError
 
@@ -468,70 +465,3 @@ def install_service(
     )
 
 
-def install_service_command(
-    model: Annotated[
-        Path | None,
-        typer.Option("--model", help="model directory the daemon serves; omit for the built-in (random) demo model"),
-    ] = None,
-    memory_budget: Annotated[
-        str, typer.Option("--memory-budget", help="expert bytes in memory: auto (plan), 6GiB or 40%")
-    ] = "auto",
-    pinned_layers: Annotated[
-        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
-    ] = None,
-    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
-    predictor: Annotated[
-        str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
-    ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
-    compressor: Annotated[
-        str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
-    ] = "none",
-    keep_ratio: Annotated[float, typer.Option("--keep-ratio", help="share of visual tokens kept")] = 0.7,
-    profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
-    listen: Annotated[str, typer.Option("--listen", help="unix:PATH or HOST:PORT")] = DEFAULT_LISTEN,
-    user: Annotated[str, typer.Option("--user", help="service user; it should own the model files")] = "vismmoe",
-    group: Annotated[str | None, typer.Option("--group", help="service group (default: same as --user)")] = None,
-    dest: Annotated[
-        Path | None,
-        typer.Option("--dest", help="write vismmoe-edge.service and vismmoe-edge.env into DIR instead of /etc"),
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="overwrite an existing environment file")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the unit and env file; write nothing")] = False,
-) -> None:
-    """Install the systemd unit (Type=notify, watchdog, hardening) and its environment file for this venv."""
-    settings = {
-        "VISMMOE_EDGE_MEMORY_BUDGET": memory_budget,
-        "VISMMOE_EDGE_TIER": tier,
-        "VISMMOE_EDGE_PREDICTOR": predictor,
-        "VISMMOE_EDGE_POLICY": policy,
-        "VISMMOE_EDGE_COMPRESSOR": compressor,
-        "VISMMOE_EDGE_KEEP_RATIO": str(keep_ratio),
-        "VISMMOE_EDGE_PROFILE": profile,
-        "VISMMOE_EDGE_LISTEN": listen,
-    }
-    if pinned_layers is not None:  # omitted from the unit otherwise: serve then takes the plan's
-        settings["VISMMOE_EDGE_EXTRA_ARGS"] = f"--pinned-layers {pinned_layers}"
-    try:
-        result = install_service(
-            model=model, dest=dest, user=user, group=group, settings=settings, force=force, dry_run=dry_run
-        )
-    except VismmoeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if dry_run:
-        typer.echo(f"# ---- {DEFAULT_UNIT_DIR / UNIT_NAME if dest is None else dest / UNIT_NAME}")
-        typer.echo(result.unit_text)
-        typer.echo(f"# ---- {DEFAULT_ENV_FILE if dest is None else dest / 'vismmoe-edge.env'}")
-        typer.echo(result.env_text)
-    else:
-        typer.echo(f"wrote {result.unit_path}")
-        if result.env_written:
-            typer.echo(f"wrote {result.env_path}")
-        else:
-            typer.echo(f"kept {result.env_path} (it exists; --force overwrites it): check its settings")
-    for warning in result.warnings:
-        typer.echo(f"warning: {warning}", err=True)
-    typer.echo("\nnext:" if not dry_run else "\nto install:")
-    for step in result.next_steps:
-        typer.echo(f"  {step}")

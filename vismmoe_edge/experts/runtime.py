@@ -12,7 +12,9 @@ from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
 
 TIERS = ("auto", "host", "gpu", "unified", "mmap")
-SPECULATIVE_EXPERTS = 16
+# Layers of top-k experts that predictions may have in flight when no plan set a depth: two, the bound peers
+# found before speculative bytes start to slow demand misses (peers.md 6.3).
+DEFAULT_PREFETCH_DEPTH = 2
 
 
 def build_runtime(
@@ -22,6 +24,7 @@ def build_runtime(
     pinned_layers: list[int],
     tier: str = "auto",
     policy: str = "lru",
+    speculative_experts: int = 2 * 8,
 ) -> ExpertRuntime:
     """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots."""
     per_expert = store.expert_nbytes()
@@ -57,9 +60,9 @@ def build_runtime(
         tier_impl,
         capacity=max(slots, 1),
         pinned=pinned,
-        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): two layers' worth
-        # of top-8 experts, never more than a quarter of the cache.
-        speculative_cap_bytes=min(SPECULATIVE_EXPERTS, slots // 4) * tier_impl.slot_bytes,
+        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): the plan's prefetch
+        # depth in layers of top-k experts, never more than a quarter of the cache.
+        speculative_cap_bytes=min(speculative_experts, slots // 4) * tier_impl.slot_bytes,
         io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,
     )

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from vismmoe_edge import pagecache
 from vismmoe_edge.checkpoint import DTYPE_NAMES, TORCH_DTYPES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 
 ExpertKey = tuple[int, int]

@@ -5,21 +5,29 @@ layers >= `first_k_dense_replace` are MoE blocks (`Glm4vMoeTextMoE`): their `mlp
 `OffloadedExperts`, while the router (`mlp.gate`: fp32 weight + `e_score_correction_bias` buffer), the shared
 experts and the dense MLPs of the first layers stay resident. The block itself still runs the router and adds
 the shared experts, so the experts we fetch are exactly the ones the model's own router chose.
+
+The processor is `Glm4vProcessor` without its video processor (which needs torchvision, as Qwen's does;
+notes/transformers-vlmoe.md §4.4), with the PIL image processor. GLM has 3-row M-RoPE and no DeepStack.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.config_json import read_config_json
+from vismmoe_edge.models.family import ModelFamily
+from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
+from vismmoe_edge.models.processing import load_processor
 from vismmoe_edge.models.resident import build_offloaded
 
 ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
@@ -86,3 +94,54 @@ def build_model(
         Glm4vMoeForConditionalGeneration, config, table, catalogue, files, runtime, dtype=dtype, device=device,
         tied_head=bool(config.tie_word_embeddings),
     )  # fmt: skip
+
+
+class ImageOnlyGlm4vProcessor(Glm4vProcessor):
+    """`Glm4vProcessor` without the video processor (which needs torchvision).
+
+    `ProcessorMixin` reads the sub-processor list from this signature, so omitting `video_processor` here is
+    what makes construction and `from_pretrained` work.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
+
+
+def load_glm4v_processor(model_dir: Path) -> ImageOnlyGlm4vProcessor:
+    """Load the processor saved beside a GLM-4.5V checkpoint (ours, or a Hugging Face directory)."""
+    return load_processor(model_dir, ImageOnlyGlm4vProcessor)
+
+
+class Glm4vMoeOps(MRopeOps):
+    model_type = "glm4v_moe"
+    supports_compression = True  # Qwen's patch order and block API; 3-row M-RoPE; no DeepStack to cut
+
+    def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
+        vision = model.model.get_image_features(pixel_values, grid)
+        return VisualFeatures(torch.cat(vision.pooler_output))  # no DeepStack
+
+    def saliency(self, model: Any, grid: torch.Tensor) -> SaliencyCapture:
+        from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb_vision
+
+        from vismmoe_edge.compress.saliency import VisionSaliency
+
+        return VisionSaliency(model.model.visual, rotary=apply_rotary_pos_emb_vision)
+
+
+FAMILY = ModelFamily(
+    model_type=MODEL_TYPE,
+    architecture=ARCHITECTURE,
+    read_config=read_config,
+    select_tensors=select_tensors,
+    catalogue_for=catalogue_for,
+    build_model=build_model,
+    load_processor=load_glm4v_processor,
+    shared_experts=lambda config: int(config.text_config.n_shared_experts),
+    ops=Glm4vMoeOps(),
+)

@@ -13,17 +13,24 @@ import torch
 
 from vismmoe_edge.experts.pipeline import ExpertKey
 from vismmoe_edge.predict.routing_features import history_matrix, pooled_hidden, routing_shares
+from vismmoe_edge.step_context import StepContext
 
 
 class LearnedPredictor:
     name = "learned"
 
     def __init__(
-        self, session: Any, meta: dict[str, Any], engine: Any, *, top_b: int | None = None, min_score: float = 0.5
+        self,
+        session: Any,
+        meta: dict[str, Any],
+        context: StepContext,
+        *,
+        top_b: int | None = None,
+        min_score: float = 0.5,
     ) -> None:
         self.session = session  # .run(history, hidden, visual, layer_onehot) -> scores; .provider
-        self.engine = engine  # for interest_rows and visual_summary, which change at the compression cut
-        self.layers: list[int] = list(engine.catalogue.moe_layers)
+        self.context = context  # interest_rows and visual_summary change at the compression cut
+        self.layers: list[int] = list(context.moe_layers)
         self.position = {layer: i for i, layer in enumerate(self.layers)}
         self.num_experts = int(meta["num_experts"])
         self.window = int(meta["window"])
@@ -36,10 +43,10 @@ class LearnedPredictor:
         # misses then wait behind, and can evict an expert that was needed (0.5 against 0: 5.04 against 4.22
         # tok/s in docs/benchmarks.md's unified replay run).
         self.min_score = min_score
-        if int(meta["num_layers"]) != len(self.layers) or self.num_experts != engine.catalogue.num_experts:
+        if int(meta["num_layers"]) != len(self.layers) or self.num_experts != context.num_experts:
             raise ValueError(
                 f"the predictor was trained for {meta['num_layers']} MoE layers x {meta['num_experts']} experts, "
-                f"the model has {len(self.layers)} x {engine.catalogue.num_experts}"
+                f"the model has {len(self.layers)} x {context.num_experts}"
             )
         self.shares: dict[int, torch.Tensor] = {}
         self.calls = 0
@@ -54,13 +61,13 @@ class LearnedPredictor:
         i = self.position[layer]
         if i == 0:
             self.shares = {}
-        self.shares[i] = routing_shares(top_k_index, self.engine.interest_rows, self.num_experts)
+        self.shares[i] = routing_shares(top_k_index, self.context.interest_rows, self.num_experts)
 
     def features(self, layer: int, hidden: torch.Tensor) -> tuple[np.ndarray, ...]:
         i = self.position[layer]
         history = history_matrix(self.shares, i, self.num_experts, self.depth).reshape(1, -1)
-        pooled = pooled_hidden(hidden, self.engine.interest_rows).reshape(1, -1)
-        visual = self.engine.visual_summary
+        pooled = pooled_hidden(hidden, self.context.interest_rows).reshape(1, -1)
+        visual = self.context.visual_summary
         visual = visual.reshape(1, -1).cpu() if visual is not None else torch.zeros_like(pooled)
         if self.hidden_dim == 0:  # a routing-history-only predictor
             pooled, visual = pooled[:, :0], visual[:, :0]

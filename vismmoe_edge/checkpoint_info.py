@@ -1,0 +1,53 @@
+"""A checkpoint directory read once: its family, config, tensor table and expert catalogue.
+
+The planner, `info` and the loader all start from this, so config.json and every shard header are parsed a
+single time per command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, read_tensor_table
+from vismmoe_edge.models.family import ModelFamily
+from vismmoe_edge.models.registry import model_family
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    model_dir: Path
+    family: ModelFamily
+    config: Any
+    table: dict[str, TensorInfo]  # the tensors the model uses (the family's selection)
+    catalogue: ExpertCatalogue
+    is_demo: bool = False  # the built-in demo model, chosen because no model was named
+
+    @property
+    def top_k(self) -> int:
+        return int(self.config.text_config.num_experts_per_tok)
+
+    @property
+    def resident_tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor that is not a routed expert: loaded once and kept in memory."""
+        return {name: info for name, info in self.table.items() if name not in self.catalogue.tensor_names}
+
+
+def inspect_checkpoint(model_dir: str | Path | None) -> CheckpointInfo:
+    """Read `model_dir` (None: the built-in demo model); anything malformed is one-line refused."""
+    is_demo = model_dir is None
+    if model_dir is None:
+        from vismmoe_edge.demo import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    model_dir = Path(model_dir).expanduser()
+    family = model_family(model_dir)  # by config.json's model_type; anything else is one-line refused
+    config = family.read_config(model_dir)
+    table = family.select_tensors(config, read_tensor_table(model_dir))
+    catalogue = family.catalogue_for(config, table)
+    return CheckpointInfo(model_dir, family, config, table, catalogue, is_demo)
+
+
+def as_checkpoint_info(model: str | Path | CheckpointInfo | None) -> CheckpointInfo:
+    return model if isinstance(model, CheckpointInfo) else inspect_checkpoint(model)

@@ -1,0 +1,37 @@
+"""The `vismmoe-edge` command: a Typer app whose commands are thin shells over the Python API.
+
+One module per command. Nothing outside this package imports it or typer, and the command modules import
+neither torch nor transformers at module level, so `--help` stays fast (tests/test_layout.py checks both).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve
+from vismmoe_edge.cli import eval as eval_
+
+app = typer.Typer(
+    help="Run vision-language MoE models larger than memory (Jetson Orin, desktop GPUs, CPU).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+app.command("run")(run.run)
+app.command("info")(info.info)
+app.command("doctor")(doctor.doctor)
+app.command("plan")(plan.plan_command)
+app.command("serve")(serve.serve_command)
+app.command("install-service")(serve.install_service_command)
+app.command("profile")(profile.profile_command)
+app.command("bench")(bench.bench_command)
+app.command("eval")(eval_.eval_command)
+app.command("analyze")(analyze.analyze_command)
+app.command("calibrate")(calibrate.calibrate_command)
+app.command("train-predictor")(predictor.train_predictor_command)
+app.command("export-predictor")(predictor.export_predictor_command)
+
+
+def main() -> None:
+    app()

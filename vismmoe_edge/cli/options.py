@@ -1,0 +1,64 @@
+"""Typer option types shared by the commands, declared once so that every command spells and explains an option
+the same way (and defaults it the same way: "auto" leaves it to the plan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[
+    Path | None, typer.Option("--model", help="Hugging Face model directory; omit to use the built-in demo model")
+]
+ImageOpt = Annotated[list[Path] | None, typer.Option("--image", help="image file; repeat for several")]
+InfoBudgetOpt = Annotated[
+    str,
+    typer.Option("--memory-budget", help="expert bytes kept in memory: a size (2GiB) or a share of all experts (40%)"),
+]
+BudgetOpt = Annotated[
+    str,
+    typer.Option(
+        "--memory-budget",
+        help="expert bytes kept in memory: a size (2GiB), a share of all experts (40%), or auto (plan)",
+    ),
+]
+PinnedOpt = Annotated[
+    int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: the plan's")
+]
+ProfileOpt = Annotated[str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto")]
+TierOpt = Annotated[
+    str, typer.Option("--tier", help="cache: auto (the plan's), host (RAM), gpu (CUDA), unified (page cache), mmap")
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")]
+PolicyOpt = Annotated[
+    str, typer.Option("--policy", help="eviction: lru, or popularity (fewest routed tokens first, then oldest)")
+]
+PredictorOpt = Annotated[
+    str,
+    typer.Option(
+        "--predictor",
+        help="prefetch driver: auto (the learned vismmoe-predictor.onnx beside the model if present, else none), "
+        "none, learned, next-layer-gate, previous-token, or a .onnx file",
+    ),
+]
+PrefetchDepthOpt = Annotated[
+    int | None,
+    typer.Option("--prefetch-depth", min=0, help="MoE layers of predicted experts in flight; default: the plan's"),
+]
+CompressorOpt = Annotated[
+    str,
+    typer.Option(
+        "--compressor",
+        help="visual-token compression after the pinned prefix: none, random, saliency, zip, affinity",
+    ),
+]
+KeepRatioOpt = Annotated[float, typer.Option("--keep-ratio", help="share of each image's visual tokens kept")]
+SalientRatioOpt = Annotated[
+    float, typer.Option("--salient-ratio", help="affinity: share of visual tokens in the salient core")
+]
+AffinityWeightOpt = Annotated[
+    float, typer.Option("--affinity-weight", help="affinity: lambda in p = saliency - lambda * new-expert share")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]

@@ -1,0 +1,42 @@
+"""`vismmoe-edge plan`: the pinned-prefix depth, cache size and prefetch depth for this machine, and why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vismmoe_edge.cli.common import fail
+from vismmoe_edge.errors import VismmoeError
+
+
+def plan_command(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
+    profile: Annotated[str, typer.Option("--profile", help="a profile name, or auto (detect board and mode)")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    l_semantic: Annotated[
+        int | None, typer.Option("--l-semantic", min=0, help="lowest pinned depth; default from the profile")
+    ] = None,
+    c_safe_gib: Annotated[
+        float | None, typer.Option("--c-safe-gib", min=0.0, help="headroom kept free (GiB); default from the profile")
+    ] = None,
+) -> None:
+    """Choose the pinned-prefix depth, expert-cache size and prefetch depth for this machine, and say why."""
+    from vismmoe_edge.hardware.profiles import select_profile
+    from vismmoe_edge.plan import GIB, format_plan, make_plan
+
+    try:
+        chosen, reason, profile_warnings = select_profile(profile)
+        plan = make_plan(
+            model_dir,
+            chosen,
+            l_semantic=l_semantic,
+            c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),
+            profile_reason=reason,
+        )
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    plan.warnings[:0] = profile_warnings
+    typer.echo(json.dumps(plan.as_dict(), indent=2) if json_out else format_plan(plan))

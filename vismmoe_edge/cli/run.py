@@ -1,0 +1,152 @@
+"""`vismmoe-edge run`: answer a prompt about images, streaming the reply, then report time and expert traffic."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vismmoe_edge.cli.common import fail, plan_and_load
+from vismmoe_edge.cli.options import (
+    AffinityWeightOpt,
+    BudgetOpt,
+    CompressorOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ImageOpt,
+    KeepRatioOpt,
+    ModelOpt,
+    PinnedOpt,
+    PolicyOpt,
+    PredictorOpt,
+    PrefetchDepthOpt,
+    ProfileOpt,
+    SalientRatioOpt,
+    TierOpt,
+)
+from vismmoe_edge.errors import VismmoeError
+
+
+def run(
+    prompt: Annotated[str, typer.Option("--prompt", help="the question or instruction")],
+    model: ModelOpt = None,
+    image: ImageOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
+    memory_budget: BudgetOpt = "auto",
+    pinned_layers: PinnedOpt = None,
+    profile: ProfileOpt = "auto",
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 decodes greedily")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="seed for sampling")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    tier: TierOpt = "auto",
+    predictor: PredictorOpt = "auto",
+    prefetch_depth: PrefetchDepthOpt = None,
+    policy: PolicyOpt = "lru",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
+    trace_out: Annotated[
+        Path | None, typer.Option("--trace-out", help="write per-step, per-layer routing and cache telemetry (JSONL)")
+    ] = None,
+    replay_trace: Annotated[
+        Path | None, typer.Option("--replay-trace", help="take routed experts from this trace instead of the router")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
+) -> None:
+    """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.options import LoadOptions
+    from vismmoe_edge.sampling import SamplingConfig
+
+    try:
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        images: list[Path] = list(image or [])
+        if model is None:
+            from vismmoe_edge.demo import ensure_sample_image
+
+            typer.echo(
+                "note: no --model given: using the built-in demo model, a 10 M-parameter VL-MoE trained on "
+                "Shapes-VQA (docs/demo-model.md); it knows coloured shapes, nothing else.",
+                err=True,
+            )
+            if not images:
+                images = [ensure_sample_image()]
+        options = LoadOptions(
+            memory_budget=memory_budget,
+            pinned_layers=pinned_layers,
+            tier=tier,
+            device=device,
+            dtype=dtype,
+            predictor=predictor,
+            policy=policy,
+            profile=profile,
+            prefetch_depth=prefetch_depth,
+            compression=compression,
+        )
+        engine, plan_note = plan_and_load(model, options)
+        if replay_trace is not None:
+            engine.replay_routing(replay_trace)
+        writer = engine.write_trace(trace_out) if trace_out is not None else None
+        inputs = engine.encode(prompt, images)
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
+        try:
+            result = engine.generate_from_inputs(inputs, sampling, on_text=on_text)
+        finally:
+            if writer is not None:
+                writer.close()
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
+
+    if plan_note:  # after the run, so that a failing run still prints exactly one line
+        typer.echo(("" if as_json else "\n") + plan_note, err=True)
+    if as_json:
+        typer.echo(json.dumps(result.as_dict()))
+        return
+    from vismmoe_edge.units import format_bytes
+
+    t, x = result.timings, result.experts
+    lock = engine.experts.lock_report
+    if lock is not None and (lock.locked_bytes or lock.failed_bytes):
+        why = f" ({lock.reason})" if lock.failed_bytes and lock.reason else ""
+        typer.echo(
+            f"[pinned prefix: {format_bytes(lock.locked_bytes)} mlocked, {format_bytes(lock.failed_bytes)} could "
+            f"not be locked{why}]",
+            err=True,
+        )
+    typer.echo("")
+    typer.echo(
+        f"[prefill {t.prefill_s * 1000:.0f} ms for {len(result.prompt_token_ids)} tokens | "
+        f"decode {t.decode_tokens_per_s:.2f} tok/s over {t.decode_tokens} tokens | stop: {result.stop_reason}]",
+        err=True,
+    )
+    if result.compression is not None:
+        c = result.compression
+        note = f"; {c.note}" if c.note else ""
+        typer.echo(
+            f"[compression {c.method}: kept {c.kept_visual_tokens} of {c.visual_tokens} visual tokens after "
+            f"{engine.pinned_layers} pinned layers, {c.seconds * 1000:.1f} ms{note}]",
+            err=True,
+        )
+    predictor = engine.experts.predictor
+    if predictor is not None:
+        where = f" on {predictor.provider}" if hasattr(predictor, "provider") else ""
+        typer.echo(
+            f"[predictor: {predictor.name}{where}, {engine.experts.predict_seconds * 1000:.1f} ms in all, "
+            f"{format_bytes(x.get('speculative_bytes', 0))} prefetched, "
+            f"{format_bytes(x.get('wasted_speculative_bytes', 0))} of it unused]",
+            err=True,
+        )
+    typer.echo(
+        f"[experts: {int(x['hits'])} hits, {int(x['misses'])} misses ({x['hit_rate']:.1%} hit rate), "
+        f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
+        err=True,
+    )

@@ -1,0 +1,194 @@
+"""`vismmoe-edge serve` (the OpenAI-compatible daemon) and `install-service` (its systemd unit)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.options import AffinityWeightOpt, CompressorOpt, KeepRatioOpt, SalientRatioOpt
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.server import Limits, ServeOptions, parse_listen, parse_size, serve
+from vismmoe_edge.service import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
+
+
+def serve_command(
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Hugging Face model directory; omit for the built-in demo model")
+    ] = None,
+    model_id: Annotated[
+        str | None, typer.Option("--model-id", help="the model name clients send; default: the directory name")
+    ] = None,
+    host: Annotated[str, typer.Option("--host", help="TCP address; loopback by default")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one")] = 8000,
+    unix_socket: Annotated[
+        Path | None, typer.Option("--unix-socket", help="listen on this Unix socket instead of TCP")
+    ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
+    ] = None,
+    memory_budget: Annotated[
+        str,
+        typer.Option(
+            "--memory-budget", help="expert bytes kept in memory: a size (2GiB), a share (40%), or auto (plan)"
+        ),
+    ] = "auto",
+    pinned_layers: Annotated[
+        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: plan's")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")] = "auto",
+    tier: Annotated[str, typer.Option("--tier", help="cache: auto (the plan's), host, gpu, unified, mmap")] = "auto",
+    predictor: Annotated[
+        str,
+        typer.Option(
+            "--predictor", help="prefetch driver: auto, none, learned, next-layer-gate, previous-token, or a .onnx file"
+        ),
+    ] = "auto",
+    policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    salient_ratio: SalientRatioOpt = 0.3,
+    affinity_weight: AffinityWeightOpt = 2.0,
+    profile: Annotated[
+        str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
+    ] = "auto",
+    image_dir: Annotated[
+        Path | None, typer.Option("--image-dir", help="local image paths must lie under this directory")
+    ] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting; more get 429")] = 8,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 4096,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "--max-new-tokens", min=1, help="cap on a reply's tokens, and the default")
+    ] = 512,
+    max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="per image, e.g. 20MiB")] = "20MiB",
+    max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1)] = 4096 * 4096,
+    max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
+    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "64MiB",
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", min=0.1, help="seconds from arrival, queueing included")
+    ] = 300.0,
+    drain_timeout: Annotated[
+        float, typer.Option("--drain-timeout", min=0.0, help="on SIGTERM, seconds to finish in-flight work")
+    ] = 30.0,
+    load_timeout: Annotated[
+        float, typer.Option("--load-timeout", min=1.0, help="start-up time asked of systemd (EXTEND_TIMEOUT_USEC)")
+    ] = 600.0,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
+) -> None:
+    """Serve one loaded model over an OpenAI-compatible HTTP API (a systemd Type=notify daemon)."""
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        limits = Limits(
+            max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
+            max_image_bytes=parse_size(max_image_bytes, "--max-image-bytes"),
+            max_image_pixels=max_image_pixels,
+            max_images=max_images,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens=max_tokens,
+            max_queue=max_queue,
+            request_timeout_s=request_timeout,
+        )
+        from vismmoe_edge.compress.prune import CompressionConfig
+
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        if listen is not None:
+            host, port, unix_socket = parse_listen(listen)
+        options = ServeOptions(
+            model=model,
+            model_id=model_id,
+            host=host,
+            port=port,
+            unix_socket=unix_socket,
+            memory_budget=memory_budget,
+            pinned_layers=pinned_layers,
+            device=device,
+            dtype=dtype,
+            tier=tier,
+            predictor=predictor,
+            policy=policy,
+            compression=compression,
+            profile=profile,
+            image_dir=image_dir,
+            limits=limits,
+            drain_timeout_s=drain_timeout,
+            load_timeout_s=load_timeout,
+        )
+        code = serve(options)
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    raise typer.Exit(code)
+
+
+def install_service_command(
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="model directory the daemon serves; omit for the built-in (random) demo model"),
+    ] = None,
+    memory_budget: Annotated[
+        str, typer.Option("--memory-budget", help="expert bytes in memory: auto (plan), 6GiB or 40%")
+    ] = "auto",
+    pinned_layers: Annotated[
+        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
+    ] = None,
+    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
+    predictor: Annotated[
+        str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
+    ] = "auto",
+    policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
+    compressor: Annotated[
+        str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
+    ] = "none",
+    keep_ratio: Annotated[float, typer.Option("--keep-ratio", help="share of visual tokens kept")] = 0.7,
+    profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
+    listen: Annotated[str, typer.Option("--listen", help="unix:PATH or HOST:PORT")] = DEFAULT_LISTEN,
+    user: Annotated[str, typer.Option("--user", help="service user; it should own the model files")] = "vismmoe",
+    group: Annotated[str | None, typer.Option("--group", help="service group (default: same as --user)")] = None,
+    dest: Annotated[
+        Path | None,
+        typer.Option("--dest", help="write vismmoe-edge.service and vismmoe-edge.env into DIR instead of /etc"),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="overwrite an existing environment file")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the unit and env file; write nothing")] = False,
+) -> None:
+    """Install the systemd unit (Type=notify, watchdog, hardening) and its environment file for this venv."""
+    settings = {
+        "VISMMOE_EDGE_MEMORY_BUDGET": memory_budget,
+        "VISMMOE_EDGE_TIER": tier,
+        "VISMMOE_EDGE_PREDICTOR": predictor,
+        "VISMMOE_EDGE_POLICY": policy,
+        "VISMMOE_EDGE_COMPRESSOR": compressor,
+        "VISMMOE_EDGE_KEEP_RATIO": str(keep_ratio),
+        "VISMMOE_EDGE_PROFILE": profile,
+        "VISMMOE_EDGE_LISTEN": listen,
+    }
+    if pinned_layers is not None:  # omitted from the unit otherwise: serve then takes the plan's
+        settings["VISMMOE_EDGE_EXTRA_ARGS"] = f"--pinned-layers {pinned_layers}"
+    try:
+        result = install_service(
+            model=model, dest=dest, user=user, group=group, settings=settings, force=force, dry_run=dry_run
+        )
+    except VismmoeError as e:
+        raise fail(str(e)) from None
+    if dry_run:
+        typer.echo(f"# ---- {DEFAULT_UNIT_DIR / UNIT_NAME if dest is None else dest / UNIT_NAME}")
+        typer.echo(result.unit_text)
+        typer.echo(f"# ---- {DEFAULT_ENV_FILE if dest is None else dest / 'vismmoe-edge.env'}")
+        typer.echo(result.env_text)
+    else:
+        typer.echo(f"wrote {result.unit_path}")
+        if result.env_written:
+            typer.echo(f"wrote {result.env_path}")
+        else:
+            typer.echo(f"kept {result.env_path} (it exists; --force overwrites it): check its settings")
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    typer.echo("\nnext:" if not dry_run else "\nto install:")
+    for step in result.next_steps:
+        typer.echo(f"  {step}")

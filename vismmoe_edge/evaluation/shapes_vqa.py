@@ -1,0 +1,410 @@
+"""Shapes-VQA: a procedural visual question-answering data set, generated deterministically from a seed.
+
+    python -m vismmoe_edge.evaluation.shapes_vqa OUT_DIR --split test --n 200
+
+Each image holds 2-6 flat-coloured shapes (circle, square, triangle), some with a digit or a 3-letter word printed
+below them, on a mostly redundant background (flat, gradient, tiled, noise, clutter lines). Image sides are
+multiples of 32 in [448, 1056], so a 32-px-per-token vision encoder sees 196-1,089 visual tokens. Questions come in
+six families modelled on MME/POPE/OCRBench (color, shape, count, position, existence, reading) and have short,
+lowercase, exact answers. Only unambiguous questions are generated. The `shifted` split uses background kinds,
+object sizes and placements (near the edges) that the other splits never use, to test generalisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+SHAPES = ("circle", "square", "triangle")
+SIZES = ("small", "large")
+# Saturated colours: every one has a channel <= 60 or is pure white/black, so no background pixel (channels kept
+# in [120, 240]) ever equals one exactly; tests rely on that to find objects by exact colour.
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (240, 210, 30),
+    "purple": (140, 50, 180),
+    "orange": (245, 130, 20),
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+}
+TEXT_RGB = (60, 60, 70)  # not a palette colour, so labels never merge with a black object's pixels
+WORDS = ("cat", "dog", "sun", "map", "key", "owl", "cup", "fox", "hat", "pen", "box", "car")
+FAMILIES = ("color", "shape", "count", "position", "existence", "reading")
+
+BACKGROUNDS = ("flat", "gradient", "tiled", "noise", "clutter")
+SHIFTED_BACKGROUNDS = ("stripes", "radial")
+SIDES = tuple(range(448, 1056 + 1, 32))
+TOKEN_PX = 32
+# Radius ranges per size; the shifted split uses smaller smalls and larger larges.
+RADII = {"small": (24, 34), "large": (50, 70)}
+SHIFTED_RADII = {"small": (16, 22), "large": (74, 90)}
+TEXT_SCALE = 3  # the default font is ~8 px tall; x3 gives ~24 px text
+LABEL_H = 34  # room reserved below an object for its text (the tallest label is 30 px, pasted 2 px below)
+LABEL_HALF_W = 34  # the widest label ("map") is 66 px, so a small object's box is widened to hold it
+GAP = 12  # minimum gap between object boxes, so objects never touch (tests count connected components)
+
+
+def _half_width(radius: int) -> int:
+    return max(radius, LABEL_HALF_W)
+
+
+@dataclass
+class SceneObject:
+    shape: str
+    color: str
+    size: str
+    x: int
+    y: int
+    radius: int
+    text: str | None = None
+
+    def box(self) -> tuple[int, int, int, int]:
+        """Bounding box of the shape plus its label area (x0, y0, x1, y1)."""
+        half = _half_width(self.radius)
+        return (self.x - half, self.y - self.radius, self.x + half, self.y + self.radius + LABEL_H)
+
+
+@dataclass
+class Scene:
+    width: int
+    height: int
+    background: str
+    background_rgb: tuple[int, int, int]
+    background_seed: int
+    objects: list[SceneObject] = field(default_factory=list)
+
+
+@dataclass
+class QA:
+    question: str
+    answer: str
+    family: str
+
+
+@dataclass
+class Example:
+    id: str
+    scene: Scene
+    question: str
+    answer: str
+    family: str
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scene sampling
+
+
+def _sample_background(rng: random.Random, shifted: bool) -> tuple[str, tuple[int, int, int]]:
+    kind = rng.choice(SHIFTED_BACKGROUNDS if shifted else BACKGROUNDS)
+    # Muted pastel: channels in [150, 220], far from every palette colour.
+    rgb = (rng.randint(150, 220), rng.randint(150, 220), rng.randint(150, 220))
+    return kind, rgb
+
+
+def _sample_position(rng: random.Random, width: int, height: int, radius: int, shifted: bool) -> tuple[int, int]:
+    lo_x, hi_x = _half_width(radius) + 4, width - _half_width(radius) - 4
+    lo_y, hi_y = radius + 4, height - radius - LABEL_H - 4
+    if not shifted:
+        # Keep training objects away from the border.
+        lo_x, hi_x, lo_y, hi_y = lo_x + 32, hi_x - 32, lo_y + 32, hi_y - 32
+        return rng.randint(lo_x, hi_x), rng.randint(lo_y, hi_y)
+    # Shifted: hug one of the edges.
+    band = max(8, min(width, height) // 8)
+    x, y = rng.randint(lo_x, hi_x), rng.randint(lo_y, hi_y)
+    edge = rng.choice(("left", "right", "top", "bottom"))
+    if edge == "left":
+        x = rng.randint(lo_x, lo_x + band)
+    elif edge == "right":
+        x = rng.randint(hi_x - band, hi_x)
+    elif edge == "top":
+        y = rng.randint(lo_y, lo_y + band)
+    else:
+        y = rng.randint(hi_y - band, hi_y)
+    return x, y
+
+
+def _overlaps(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    return not (a[2] + GAP < b[0] or b[2] + GAP < a[0] or a[3] + GAP < b[1] or b[3] + GAP < a[1])
+
+
+def _sample_text(rng: random.Random) -> str | None:
+    roll = rng.random()
+    if roll < 0.3:
+        return str(rng.randint(0, 9))
+    if roll < 0.55:
+        return rng.choice(WORDS)
+    return None
+
+
+def make_scene(rng: random.Random, *, shifted: bool = False, sides: tuple[int, ...] = SIDES) -> Scene:
+    """`sides` narrows the image sizes (a training curriculum); the splits always use SIDES."""
+    width, height = rng.choice(sides), rng.choice(sides)
+    kind, rgb = _sample_background(rng, shifted)
+    radii = SHIFTED_RADII if shifted else RADII
+    objects: list[SceneObject] = []
+    target = rng.randint(2, 6)
+    for _ in range(200):  # rejection sampling; a crowded small image may end with fewer objects
+        if len(objects) == target:
+            break
+        size = rng.choice(SIZES)
+        radius = rng.randint(*radii[size])
+        x, y = _sample_position(rng, width, height, radius, shifted)
+        obj = SceneObject(rng.choice(SHAPES), rng.choice(list(PALETTE)), size, x, y, radius, _sample_text(rng))
+        if not any(_overlaps(obj.box(), other.box()) for other in objects):
+            objects.append(obj)
+    return Scene(width, height, kind, rgb, rng.randrange(2**31), objects)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _clip(arr: np.ndarray) -> np.ndarray:
+    # [120, 240] keeps every background pixel off the palette (see PALETTE).
+    return np.clip(arr, 120, 240).astype(np.uint8)
+
+
+def _background(scene: Scene) -> Image.Image:
+    w, h, base = scene.width, scene.height, np.array(scene.background_rgb, dtype=np.float32)
+    nrng = np.random.default_rng(scene.background_seed)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    kind = scene.background
+    if kind in ("flat", "clutter"):
+        arr = np.broadcast_to(base, (h, w, 3)).copy()
+    elif kind == "gradient":
+        other = base + nrng.uniform(-30, 30, 3)
+        t = (xx / w * 0.5 + yy / h * 0.5)[..., None]
+        arr = base * (1 - t) + other * t
+    elif kind == "tiled":
+        tile = int(nrng.choice([16, 24, 32]))
+        checker = (((xx // tile) + (yy // tile)) % 2)[..., None]
+        arr = base + checker * 12.0
+    elif kind == "noise":
+        arr = base + nrng.normal(0, 6, (h, w, 3))
+    elif kind == "stripes":
+        period = int(nrng.choice([20, 28, 40]))
+        stripe = (((xx + yy) // period) % 2)[..., None]
+        arr = base - stripe * 25.0
+    elif kind == "radial":
+        r = np.sqrt((xx - w / 2) ** 2 + (yy - h / 2) ** 2) / (0.5 * np.hypot(w, h))
+        arr = base * (1 - 0.3 * r[..., None]) + 20.0
+    else:
+        raise ValueError(f"unknown background kind {kind!r}")
+    image = Image.fromarray(_clip(arr), "RGB")
+    if kind == "clutter":
+        draw = ImageDraw.Draw(image)
+        for _ in range(int(nrng.integers(3, 8))):
+            pts = [(int(nrng.integers(0, w)), int(nrng.integers(0, h))) for _ in range(2)]
+            grey = int(nrng.integers(125, 200))
+            draw.line(pts, fill=(grey, grey, grey), width=int(nrng.integers(1, 4)))
+    return image
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, obj: SceneObject) -> None:
+    x, y, r, fill = obj.x, obj.y, obj.radius, PALETTE[obj.color]
+    if obj.shape == "circle":
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
+    elif obj.shape == "square":
+        s = int(r * 0.85)
+        draw.rectangle((x - s, y - s, x + s, y + s), fill=fill)
+    elif obj.shape == "triangle":
+        draw.polygon([(x, y - r), (x - r, y + int(r * 0.8)), (x + r, y + int(r * 0.8))], fill=fill)
+    else:
+        raise ValueError(f"unknown shape {obj.shape!r}")
+
+
+def _text_mask(text: str) -> Image.Image:
+    """Binary, upscaled text: crisp pixels (no antialiasing) so it stays readable and deterministic."""
+    font = ImageFont.load_default()
+    x0, y0, x1, y1 = font.getbbox(text)
+    small = Image.new("L", (x1 - x0 + 2, y1 - y0 + 2), 0)
+    ImageDraw.Draw(small).text((1 - x0, 1 - y0), text, fill=255, font=font)
+    small = small.point(lambda v: 255 if v > 100 else 0)
+    return small.resize((small.width * TEXT_SCALE, small.height * TEXT_SCALE), Image.Resampling.NEAREST)
+
+
+def render(scene: Scene) -> Image.Image:
+    image = _background(scene)
+    draw = ImageDraw.Draw(image)
+    for obj in scene.objects:
+        _draw_shape(draw, obj)
+        if obj.text:
+            mask = _text_mask(obj.text)
+            # Centred below the shape, inside the reserved label area.
+            image.paste(TEXT_RGB, (obj.x - mask.width // 2, obj.y + obj.radius + 2), mask)
+    return image
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Questions
+
+
+def _plural(shape: str) -> str:
+    return shape + "s"
+
+
+def _describe(obj: SceneObject, objects: list[SceneObject]) -> str | None:
+    """The shortest unambiguous noun phrase for obj, or None if no phrase picks it out alone."""
+    for keys in (("shape",), ("color", "shape"), ("size", "color", "shape")):
+        matches = [o for o in objects if all(getattr(o, k) == getattr(obj, k) for k in keys)]
+        if len(matches) == 1:
+            return " ".join(getattr(obj, k) for k in keys)
+    return None
+
+
+def _color_qas(scene: Scene) -> list[QA]:
+    qas = []
+    for shape in SHAPES:
+        matches = [o for o in scene.objects if o.shape == shape]
+        if len(matches) == 1:
+            qas.append(QA(f"What colour is the {shape}?", matches[0].color, "color"))
+    return qas
+
+
+def _shape_qas(scene: Scene) -> list[QA]:
+    qas = []
+    for color in PALETTE:
+        matches = [o for o in scene.objects if o.color == color]
+        if len(matches) == 1:
+            qas.append(QA(f"What shape is the {color} object?", matches[0].shape, "shape"))
+    return qas
+
+
+def _count_qas(scene: Scene) -> list[QA]:
+    qas = [
+        QA(f"How many {_plural(s)} are there?", str(sum(o.shape == s for o in scene.objects)), "count") for s in SHAPES
+    ]
+    for color in sorted({o.color for o in scene.objects}):
+        qas.append(
+            QA(f"How many {color} objects are there?", str(sum(o.color == color for o in scene.objects)), "count")
+        )
+    return qas
+
+
+MIN_OFFSET = 40  # px; closer pairs would make "left of"/"higher" a judgement call
+
+
+def _position_qas(scene: Scene) -> list[QA]:
+    qas = []
+    objs = scene.objects
+    for i, a in enumerate(objs):
+        for b in objs[i + 1 :]:
+            da, db = _describe(a, objs), _describe(b, objs)
+            if da is None or db is None:
+                continue
+            if abs(a.x - b.x) >= MIN_OFFSET:
+                qas.append(QA(f"Is the {da} left of the {db}?", "yes" if a.x < b.x else "no", "position"))
+            distinct = "shape" if a.shape != b.shape else "color" if a.color != b.color else None
+            if abs(a.y - b.y) >= MIN_OFFSET and distinct:
+                higher = a if a.y < b.y else b
+                qas.append(QA(f"Which is higher, the {da} or the {db}?", getattr(higher, distinct), "position"))
+    return qas
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _existence_qas(scene: Scene, rng: random.Random) -> list[QA]:
+    present = sorted({(o.color, o.shape) for o in scene.objects})
+    absent = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in present]
+    # Half the time probe for an object that is not there (POPE-style hallucination check).
+    if rng.random() < 0.5 or not present:
+        color, shape = rng.choice(absent)
+        return [QA(f"Is there {_article(color)} {color} {shape} in the image?", "no", "existence")]
+    color, shape = rng.choice(present)
+    return [QA(f"Is there {_article(color)} {color} {shape} in the image?", "yes", "existence")]
+
+
+def _reading_qas(scene: Scene) -> list[QA]:
+    qas = []
+    for obj in scene.objects:
+        desc = _describe(obj, scene.objects)
+        if obj.text is None or desc is None:
+            continue
+        kind = "number" if obj.text.isdigit() else "word"
+        qas.append(QA(f"What {kind} is written on the {desc}?", obj.text, "reading"))
+    return qas
+
+
+def questions_for(scene: Scene, rng: random.Random) -> list[QA]:
+    return (
+        _color_qas(scene)
+        + _shape_qas(scene)
+        + _count_qas(scene)
+        + _position_qas(scene)
+        + _existence_qas(scene, rng)
+        + _reading_qas(scene)
+    )
+
+
+def make_example(rng: random.Random, *, shifted: bool = False) -> tuple[Scene, list[QA]]:
+    scene = make_scene(rng, shifted=shifted)
+    return scene, questions_for(scene, rng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Splits
+
+# name -> (seed, size). Seeds differ, and every example draws from its own rng seeded by "seed:index", so no two
+# splits share a scene stream.
+SPLITS: dict[str, tuple[int, int]] = {
+    "train": (1_000, 5_000),
+    "validation": (2_000, 500),
+    "test": (3_000, 500),
+    "shifted": (4_000, 500),
+}
+SHIFTED_SPLITS = frozenset({"shifted"})
+
+
+def generate_example(name: str, index: int, seed: int, *, shifted: bool = False) -> Example:
+    """Example `index` of a split; families rotate so every family is equally represented."""
+    rng = random.Random(f"{seed}:{index}")  # str seeds hash with sha512: stable across runs and platforms
+    family = FAMILIES[index % len(FAMILIES)]
+    while True:  # existence/count questions always exist, the others almost always within a few scenes
+        scene, qas = make_example(rng, shifted=shifted)
+        candidates = [qa for qa in qas if qa.family == family]
+        if candidates:
+            qa = rng.choice(candidates)
+            return Example(f"{name}-{index:05d}", scene, qa.question, qa.answer, qa.family)
+
+
+def generate_split(name: str, n: int, seed: int, *, shifted: bool = False) -> list[Example]:
+    return [generate_example(name, i, seed, shifted=shifted) for i in range(n)]
+
+
+def write_split(out_dir: str | Path, name: str, n: int, seed: int, shifted: bool = False) -> Path:
+    """PNGs under OUT_DIR/NAME/images and OUT_DIR/NAME/questions.jsonl; returns the jsonl path."""
+    split_dir = Path(out_dir) / name
+    (split_dir / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = split_dir / "questions.jsonl"
+    with jsonl.open("w") as f:
+        for ex in generate_split(name, n, seed, shifted=shifted):
+            rel = f"images/{ex.id}.png"
+            render(ex.scene).save(split_dir / rel)
+            record = {"image": rel, "question": ex.question, "answer": ex.answer, "family": ex.family}
+            f.write(json.dumps(record) + "\n")
+    return jsonl
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--split", choices=sorted(SPLITS), default="test")
+    parser.add_argument("--n", type=int, default=None, help="number of examples (default: the split's size)")
+    args = parser.parse_args(argv)
+    seed, size = SPLITS[args.split]
+    jsonl = write_split(args.out_dir, args.split, args.n or size, seed, args.split in SHIFTED_SPLITS)
+    print(jsonl)
+
+
+if __name__ == "__main__":
+    main()

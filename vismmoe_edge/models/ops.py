@@ -1,0 +1,117 @@
+"""What differs between model families inside the engine's prefill loop, behind one small interface.
+
+Qwen3-VL-MoE and GLM-4.5V share the loop's shape (embed, scatter visual tokens, 3-row M-RoPE positions,
+cos/sin once, decoder layers, norm, lm_head). They differ in what the vision tower returns (Qwen adds
+DeepStack features injected after the first decoder layers; GLM has none). DeepSeek-VL2 has 1-D positions
+and its own tiled vision path. Everything here calls the loaded model's own methods.
+
+For visual-token compression each family also says how many LLM tokens each image takes, which of them may be
+dropped (DeepSeek-VL2's newline and view-separator tokens are kept) and how to score those from its vision tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class VisualFeatures:
+    embeds: torch.Tensor  # [V, H]: merged visual tokens of every image, in prompt order
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # one [V, H] per early decoder layer; [] if none
+
+
+class SaliencyCapture(Protocol):
+    """Installed around the vision forward (a context manager); then one score per droppable visual token."""
+
+    def __enter__(self) -> SaliencyCapture: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    def per_image(self) -> list[torch.Tensor]:
+        """Per image, in [0, 1], over the tokens `droppable_tokens` lists (same order)."""
+        ...
+
+
+class PrefillOps(Protocol):
+    model_type: str
+    supports_compression: bool  # whether engine._compress understands this family's positions and features
+
+    def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures: ...
+
+    def visual_token_counts(self, model: Any, grid: torch.Tensor) -> list[int]:
+        """LLM tokens of each image (its image-token placeholders), in prompt order."""
+        ...
+
+    def droppable_tokens(self, model: Any, grid: torch.Tensor) -> list[torch.Tensor]:
+        """Per image, ascending indices into its visual tokens that compression may drop (the others are kept)."""
+        ...
+
+    def saliency(self, model: Any, grid: torch.Tensor) -> SaliencyCapture:
+        """A capture of the vision tower's last-block attention, scoring each image's droppable tokens."""
+        ...
+
+    def rope_positions(
+        self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor
+    ) -> torch.Tensor:
+        """M-RoPE positions [3, 1, N] of a prompt with images."""
+        ...
+
+    def rotary(self, language_model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(cos, sin) for `positions`, computed once and shared by every layer."""
+        ...
+
+    def after_layer(
+        self,
+        language_model: Any,
+        index: int,
+        hidden: torch.Tensor,
+        visual_mask: torch.Tensor | None,
+        deepstack: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """What the family adds to the hidden states after decoder layer `index` (DeepStack), or nothing."""
+        ...
+
+
+class NoDeepStack:
+    """Families whose vision tower adds nothing to the decoder's hidden states after a layer."""
+
+    def after_layer(
+        self,
+        language_model: Any,
+        index: int,
+        hidden: torch.Tensor,
+        visual_mask: torch.Tensor | None,
+        deepstack: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return hidden
+
+
+class MRopeOps(NoDeepStack):
+    """The shared part: `get_rope_index` and the text model's own rotary embedding, as transformers calls them."""
+
+    model_type = ""
+    supports_compression = False
+
+    def rope_positions(
+        self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor
+    ) -> torch.Tensor:
+        positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid)
+        return positions
+
+    def rotary(self, language_model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return language_model.rotary_emb(hidden, positions)
+
+    def visual_token_counts(self, model: Any, grid: torch.Tensor) -> list[int]:
+        merge = int(model.model.visual.spatial_merge_size)  # one LLM token per merge x merge patches
+        return [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
+
+    def droppable_tokens(self, model: Any, grid: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.arange(n) for n in self.visual_token_counts(model, grid)]  # every token is a patch group
+
+

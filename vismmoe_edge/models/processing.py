@@ -1,0 +1,29 @@
+"""Loading a processor saved beside a checkpoint, offline, with one-line errors: what every family shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import ProcessorMixin
+
+from vismmoe_edge.errors import VismmoeError
+
+
+def load_processor(model_dir: Path, processor_class: type[ProcessorMixin]) -> ProcessorMixin:
+    """Load the processor saved beside a checkpoint (ours, or a Hugging Face directory) as `processor_class`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise VismmoeError(f"processor directory {model_dir} does not exist")
+    missing = [n for n in ("tokenizer.json", "tokenizer_config.json") if not (model_dir / n).is_file()]
+    if not any((model_dir / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
+        missing.append("preprocessor_config.json or processor_config.json")
+    if missing:
+        raise VismmoeError(f"cannot load the processor from {model_dir}: missing {', '.join(missing)}")
+    try:
+        proc = processor_class.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types here; the user needs one line either way
+        reason = " ".join(str(exc).split())[:300]
+        raise VismmoeError(f"cannot load the processor from {model_dir}: {type(exc).__name__}: {reason}") from exc
+    if not proc.chat_template:
+        raise VismmoeError(f"the processor in {model_dir} has no chat template: add chat_template.jinja or .json")
+    return proc

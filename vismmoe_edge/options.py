@@ -1,0 +1,128 @@
+"""What a user chooses when loading a model, and the one place where "auto" becomes numbers from the plan.
+
+`run`, `eval`, `serve`, `bench`, `profile`, `calibrate` and `analyze` all build a `LoadOptions` and call
+`resolve` (or `load_engine`), so the same arguments give the same plan whichever command reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
+from vismmoe_edge.config import parse_budget
+from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+from vismmoe_edge.units import format_bytes
+
+if TYPE_CHECKING:
+    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.engine import Engine
+    from vismmoe_edge.plan import Plan
+
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Every loading choice; None or "auto" leaves it to the planner."""
+
+    memory_budget: str = "auto"  # a size ("2GiB"), a share of all expert bytes ("40%"), or "auto"
+    pinned_layers: int | None = None
+    tier: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    predictor: str = "auto"
+    policy: str = "lru"
+    profile: str = "auto"  # the hardware profile the plan is made for
+    prefetch_depth: int | None = None  # MoE layers of predicted experts in flight ahead of compute
+    compression: CompressionConfig | None = None
+
+    @property
+    def leaves_anything_to_plan(self) -> bool:
+        return "auto" in (self.memory_budget, self.tier) or self.pinned_layers is None
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """LoadOptions with every planner choice filled in: what `loader.load` takes."""
+
+    memory_budget: str
+    pinned_layers: int
+    tier: str
+    prefetch_depth: int
+    note: str = ""  # one line saying where the planned values came from ("" when nothing was planned)
+    plan: Plan | None = None
+
+
+def resolve(
+    options: LoadOptions,
+    checkpoint: CheckpointInfo,
+    *,
+    mem_available: int | None = None,
+    gpu_free: int | None = None,
+) -> ResolvedOptions:
+    """Fill what the user left to the planner from the plan for this machine (or the given memory readings).
+
+    A fixed --memory-budget with no --pinned-layers pins no deeper than fits in that budget, with room left for
+    one streamed expert.
+    """
+    o = options
+    depth = o.prefetch_depth
+    if not o.leaves_anything_to_plan:
+        assert o.pinned_layers is not None
+        depth = DEFAULT_PREFETCH_DEPTH if depth is None else depth
+        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth)
+    from vismmoe_edge.hardware.profiles import select_profile
+    from vismmoe_edge.plan import make_plan
+
+    chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
+    plan = make_plan(checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free)
+    plan.warnings[:0] = warnings
+    pinned = o.pinned_layers
+    if pinned is None and o.memory_budget != "auto":
+        budget = parse_budget(o.memory_budget, plan.s_layer_bytes * plan.moe_layers)
+        fits = max(0, (budget - plan.bytes_per_expert) // plan.s_layer_bytes)
+        pinned = min(plan.pinned_layers, fits)
+    memory_budget = str(plan.memory_budget_bytes) if o.memory_budget == "auto" else o.memory_budget
+    pinned = plan.pinned_layers if pinned is None else pinned
+    tier = plan.tier if o.tier == "auto" else o.tier
+    depth = plan.prefetch_depth if depth is None else depth
+    shown_budget = format_bytes(int(memory_budget)) if memory_budget.isdigit() else memory_budget
+    note = (
+        f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {shown_budget}, tier {tier}, "
+        f"prefetch depth {depth}; `vismmoe-edge plan` says why]"
+    )
+    return ResolvedOptions(memory_budget, pinned, tier, depth, note, plan)
+
+
+def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: ResolvedOptions) -> Engine:
+    """Load with options already resolved (a command that loads several fresh engines plans once)."""
+    from vismmoe_edge.loader import load
+
+    engine = load(
+        checkpoint,
+        memory_budget=resolved.memory_budget,
+        pinned_layers=resolved.pinned_layers,
+        device=options.device,
+        dtype=options.dtype,
+        tier=resolved.tier,
+        predictor=options.predictor,
+        policy=options.policy,
+        prefetch_depth=resolved.prefetch_depth,
+    )
+    if options.compression is not None:
+        engine.compression = options.compression
+    return engine
+
+
+def load_engine(
+    model: str | Path | CheckpointInfo | None,
+    options: LoadOptions,
+    *,
+    mem_available: int | None = None,
+    gpu_free: int | None = None,
+) -> tuple[Engine, ResolvedOptions]:
+    """Inspect the checkpoint once, resolve the options against it, load, and set compression."""
+    checkpoint = as_checkpoint_info(model)
+    resolved = resolve(options, checkpoint, mem_available=mem_available, gpu_free=gpu_free)
+    return load_resolved(checkpoint, options, resolved), resolved
