@@ -33,7 +33,7 @@ def shard_holding(model_dir: Path, suffix: str) -> tuple[Path, str]:
 def test_catalogue_layout_and_byte_ranges_match_safetensors(checkpoints, layout: str) -> None:
     model_dir = checkpoints[layout]
     config = qwen3_vl_moe.read_config(model_dir)
-    catalogue = qwen3_vl_moe.catalogue_for(config, read_tensor_table(model_dir))
+    catalogue = qwen3_vl_moe.FAMILY.catalogue_for(config, read_tensor_table(model_dir))
     text = config.text_config
     assert catalogue.layout == layout
     assert catalogue.moe_layers == list(range(text.num_hidden_layers))

@@ -24,7 +24,7 @@ from vismmoe_edge.compress.tile_saliency import TileSaliency, pool_to_tokens
 from vismmoe_edge.models.deepseek_vl2.model import layout_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from deepseek_vl2_reference import DeepseekVL2Reference  # noqa: E402
+from reference.deepseek_vl2 import DeepseekVL2Reference  # noqa: E402
 
 LAYERS = 5  # layer 0 dense, 1..4 MoE
 TOKENS = [5, 17, 42]
@@ -46,7 +46,7 @@ def two_images(ckpts):
 
 # ---- mapping patches to tokens, tokens to the prompt ----------------------------------------------------------
 def reference_layout(th: int, tw: int, t: int, head: bool) -> list[int]:
-    """The tile_tag 2D layout written out (as tools/deepseek_vl2_reference.py lays out features)."""
+    """The tile_tag 2D layout written out (as tools/reference/deepseek_vl2.py lays out features)."""
     glob = []
     for r in range(t):
         glob += [r * t + c for c in range(t)] + [-1]

@@ -1,6 +1,6 @@
 """DeepSeek-VL2 through the engine, on tiny checkpoints in the original layout (one per released structure):
 - the language model against transformers' own DeepseekV2ForCausalLM (same weights, converted names);
-- the vision tower (timm names) and the whole model with images against tools/deepseek_vl2_reference.py, a
+- the vision tower (timm names) and the whole model with images against tools/reference/deepseek_vl2.py, a
   plain implementation of the public definition (no cache, no pipeline);
 - tiling against hand-computed layouts; `info`; one-line errors."""
 
@@ -25,7 +25,7 @@ from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.sampling import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from deepseek_vl2_reference import DeepseekVL2Reference  # noqa: E402
+from reference.deepseek_vl2 import DeepseekVL2Reference  # noqa: E402
 
 NEW_TOKENS = 6
 LAYERS = 5  # layer 0 dense, 1..4 MoE
@@ -85,7 +85,7 @@ def test_checkpoint_is_in_the_original_layout(ckpts) -> None:
     assert "language.model.layers.1.self_attn.q_proj.weight" in read_tensor_table(ckpts["tiny"])
     config = deepseek_vl2.read_config(ckpts["base"])
     table = deepseek_vl2.select_tensors(config, raw)
-    catalogue = deepseek_vl2.catalogue_for(config, table)
+    catalogue = deepseek_vl2.FAMILY.catalogue_for(config, table)
     assert catalogue.layout == "per_expert" and catalogue.moe_layers == MOE_LAYERS
     assert not any(n.startswith(("vision.blocks", "vision.attn_pool")) for n in table)
     q = table["vision.encoder.layers.1.self_attn.k_proj.weight"]
@@ -95,7 +95,7 @@ def test_checkpoint_is_in_the_original_layout(ckpts) -> None:
 # ---- language model vs transformers' DeepseekV2ForCausalLM ------------------------------------------------------
 def transformers_language_model(model_dir: Path) -> DeepseekV2ForCausalLM:
     """transformers' own model with the checkpoint's language weights under transformers' names (fused experts)."""
-    from vismmoe_edge.models.deepseek_vl2.model import read_config
+    from vismmoe_edge.models.deepseek_vl2.config import read_config
 
     state = {}
     for shard in model_dir.glob("*.safetensors"):
@@ -284,7 +284,7 @@ def test_info_reports_shared_experts_in_the_resident_region(ckpts) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_released_configs_are_accepted(tmp_path: Path, variant: str) -> None:
-    from vismmoe_edge.models.deepseek_vl2.model import read_config
+    from vismmoe_edge.models.deepseek_vl2.config import read_config
     from vismmoe_edge.models.deepseek_vl2.variants import variant_config
 
     (tmp_path / "config.json").write_text(json.dumps(variant_config(variant) | {"image_token_id": 128815}))

@@ -140,7 +140,7 @@ def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> No
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (run tools/gpu_checks.sh on the GPU server)"
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run tools/device/gpu_checks.sh on the GPU server)"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("predictor", ["none", "next-layer-gate"])

@@ -119,7 +119,7 @@ def test_tiny_checkpoint_is_in_the_glm_layout(glm_dir: Path) -> None:
     config = glm4v_moe.read_config(glm_dir)
     table = read_tensor_table(glm_dir)
     assert len({info.shard for info in table.values()}) > 1
-    catalogue = glm4v_moe.catalogue_for(config, table)
+    catalogue = glm4v_moe.FAMILY.catalogue_for(config, table)
     assert catalogue.layout == "per_expert" and catalogue.moe_layers == MOE_LAYERS
     prefix = "model.language_model.layers"
     assert f"{prefix}.1.mlp.experts.15.up_proj.weight" in catalogue.tensor_names

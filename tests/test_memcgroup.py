@@ -1,4 +1,4 @@
-"""tools/memcgroup.py, for real: a v1 memory cgroup caps page cache and anonymous memory of the child it runs."""
+"""tools/bench/memcgroup.py, for real: a v1 memory cgroup caps page cache and anonymous memory of the child it runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import memcgroup  # noqa: E402
+from bench import memcgroup  # noqa: E402
 
 MiB = 1 << 20
 _OK, _WHY = memcgroup.memory_cgroup_support()

@@ -154,7 +154,8 @@ def test_oracle_bound_figures() -> None:
 
 
 def test_trace_stats_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("trace_stats", Path(__file__).parents[1] / "tools" / "trace_stats.py")
+    path = Path(__file__).parents[1] / "tools" / "analysis" / "trace_stats.py"
+    spec = importlib.util.spec_from_file_location("trace_stats", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     trace = synthetic_trace(120, 3, 8, 2, locality=0.5, seed=7, prompts=4)

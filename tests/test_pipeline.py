@@ -59,7 +59,7 @@ def run_layer(pipeline: ExpertPipeline, layer: int, experts: list[int]) -> list[
 def store(checkpoints) -> ExpertStore:
     model_dir = checkpoints["v5"]
     config = qwen3_vl_moe.read_config(model_dir)
-    catalogue = qwen3_vl_moe.catalogue_for(config, read_tensor_table(model_dir))
+    catalogue = qwen3_vl_moe.FAMILY.catalogue_for(config, read_tensor_table(model_dir))
     return ExpertStore(catalogue, ShardFiles(), torch.float32, torch.device("cpu"))
 
 

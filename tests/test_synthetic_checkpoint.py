@@ -1,4 +1,5 @@
-"""tools/make_synthetic_checkpoint.py: a small build loads in transformers and in vismmoe_edge and generates."""
+"""tools/checkpoints/synthetic_qwen3_vl_moe.py: a small build loads in transformers and in vismmoe_edge and
+generates."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import make_synthetic_checkpoint as msc  # noqa: E402
+from checkpoints import synthetic_qwen3_vl_moe as msc  # noqa: E402
 
 # The --layers 2 --experts 16 smoke mode, with narrower text dims so the whole test stays well under 20 s on a
 # 2-core VM (the real 2048-wide version writes ~645 MB).

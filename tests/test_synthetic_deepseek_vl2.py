@@ -1,4 +1,4 @@
-"""tools/make_synthetic_deepseek_vl2.py: a tiny build is in the original DeepSeek-VL2 layout, loads through
+"""tools/checkpoints/synthetic_deepseek_vl2.py: a tiny build is in the original DeepSeek-VL2 layout, loads through
 vismmoe_edge.load and generates; the real-size default plan has DeepSeek-VL2-Small's expert sizes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import make_synthetic_deepseek_vl2 as msd  # noqa: E402
+from checkpoints import synthetic_deepseek_vl2 as msd  # noqa: E402
 
 # 1 dense + 2 MoE layers, 8 experts top-2, 2 shared, small MLA: ~0.6 MB, a few seconds on 2 cores.
 TINY = dict(layers=3, experts=8, top_k=2, shared=2, hidden=64, heads=4, moe_intermediate=32, dense_intermediate=128,

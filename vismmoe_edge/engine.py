@@ -172,7 +172,7 @@ class Engine:
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep SDPA off the cuDNN backend: it builds a new graph for every KV length, which made each
-        decode step's attention cost ~30 ms on an H200 with torch 2.11 (tools/profile_decode.py)."""
+        decode step's attention cost ~30 ms on an H200 with torch 2.11 (tools/bench/profile_decode.py)."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel

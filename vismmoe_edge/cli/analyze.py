@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.common import fail, load_options
 from vismmoe_edge.cli.options import (
     AffinityWeightOpt,
     BudgetOpt,
@@ -52,7 +52,7 @@ def analyze_command(
     from vismmoe_edge.compress.prune import METHODS, CompressionConfig
     from vismmoe_edge.evaluation.analyze import analyze_compressor, format_table, plot_heatmaps
     from vismmoe_edge.evaluation.vqa import load_items
-    from vismmoe_edge.options import LoadOptions, load_resolved, resolve
+    from vismmoe_edge.options import load_resolved, resolve
 
     try:
         methods = [m.strip() for m in compressors.split(",") if m.strip()]
@@ -61,10 +61,7 @@ def analyze_command(
         configs = [CompressionConfig(m, keep_ratio, salient_ratio, affinity_weight) for m in methods]
         items = load_items(benchmark, split, data, limit=limit)
         checkpoint = inspect_checkpoint(model)
-        options = LoadOptions(
-            memory_budget=memory_budget, pinned_layers=pinned_layers, tier=tier, device=device, profile=profile,
-            predictor="none",  # the demand the compressors cause, not what a predictor adds
-        )  # fmt: skip
+        options = load_options(locals(), predictor="none")  # the demand compressors cause, not a predictor's
         resolved = resolve(options, checkpoint)
         memory_budget, pinned_layers, tier, plan_note = (
             resolved.memory_budget, resolved.pinned_layers, resolved.tier, resolved.note

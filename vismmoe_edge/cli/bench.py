@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.common import fail, load_options
 from vismmoe_edge.cli.options import (
     BudgetOpt,
     DeviceOpt,
@@ -47,7 +47,7 @@ def bench_command(
 ) -> None:
     """Time prefill and decode of one configuration; medians over several trials, with the oracle's bytes."""
     from vismmoe_edge.evaluation.bench import run_trials
-    from vismmoe_edge.options import LoadOptions, load_engine
+    from vismmoe_edge.options import load_engine
 
     try:
         images = list(image or [])
@@ -55,16 +55,7 @@ def bench_command(
             from vismmoe_edge.demo import ensure_sample_image
 
             images = [ensure_sample_image()]
-        options = LoadOptions(
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            tier=tier,
-            device=device,
-            predictor=predictor,
-            policy=policy,
-            profile=profile,
-            prefetch_depth=prefetch_depth,
-        )
+        options = load_options(locals())
         engine, resolved = load_engine(model, options)
         trials = run_trials(engine, prompt=prompt, images=images, tokens=tokens, repeats=repeats, replay=replay_trace)
     except VismmoeError as e:

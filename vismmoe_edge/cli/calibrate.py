@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail, plan_and_load
+from vismmoe_edge.cli.common import fail, load_options, plan_and_load
 from vismmoe_edge.cli.options import (
     AffinityWeightOpt,
     BudgetOpt,
@@ -54,22 +54,13 @@ def calibrate_command(
 
     from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.evaluation.vqa import load_items
-    from vismmoe_edge.options import LoadOptions
     from vismmoe_edge.predict.routing_features import FeatureRecorder
     from vismmoe_edge.sampling import SamplingConfig
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
         items = load_items(benchmark, split, data, limit=limit)
-        options = LoadOptions(
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            tier=tier,
-            device=device,
-            profile=profile,
-            predictor="none",  # calibration records routing; prefetching would only add I/O
-            compression=compression,
-        )
+        options = load_options(locals(), predictor="none")  # calibration records routing: prefetch only adds I/O
         engine, plan_note = plan_and_load(model, options)
         recorder = FeatureRecorder(engine)
         for n, item in enumerate(tqdm(items, desc="calibrate", unit="prompt")):

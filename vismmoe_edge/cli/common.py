@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -15,6 +16,15 @@ if TYPE_CHECKING:
 def fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def load_options(params: dict[str, Any], **fixed: Any) -> LoadOptions:
+    """The LoadOptions of a command: each of its parameters (its `locals()`) named like a LoadOptions field, then
+    `fixed`. Every command spells those options the same way (cli/options.py), so this is the one mapping."""
+    from vismmoe_edge.options import LoadOptions
+
+    names = {f.name for f in fields(LoadOptions)} - set(fixed)
+    return LoadOptions(**{name: value for name, value in params.items() if name in names}, **fixed)
 
 
 def plan_and_load(model: Path | None, options: LoadOptions) -> tuple[Engine, str]:

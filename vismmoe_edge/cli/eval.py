@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from vismmoe_edge.cli.common import fail, plan_and_load
+from vismmoe_edge.cli.common import fail, load_options, plan_and_load
 from vismmoe_edge.cli.options import (
     AffinityWeightOpt,
     BudgetOpt,
@@ -62,7 +62,6 @@ def eval_command(
     concentration and expert traffic, with the same memory options as `run`."""
     from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.evaluation.vqa import evaluate, format_report, load_items
-    from vismmoe_edge.options import LoadOptions
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
@@ -72,18 +71,7 @@ def eval_command(
             raise VismmoeError("--questions goes with --data FOLDER")
         items = load_items(benchmark, split, data, questions, limit)
         title = str(data) if data is not None else f"shapes-vqa {split}"
-        options = LoadOptions(
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            tier=tier,
-            device=device,
-            dtype=dtype,
-            predictor=predictor,
-            policy=policy,
-            profile=profile,
-            prefetch_depth=prefetch_depth,
-            compression=compression,
-        )
+        options = load_options(locals())
         engine, plan_note = plan_and_load(model, options)
         sink = predictions.open("w") if predictions is not None else None
         try:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.common import fail, load_options
 from vismmoe_edge.cli.options import (
     BudgetOpt,
     DeviceOpt,
@@ -49,23 +49,12 @@ def profile_command(
 ) -> None:
     """Profile a workload: per-token latency, expert hit rate, power/memory telemetry (jtop on Jetson); CSV+PNG."""
     from vismmoe_edge.evaluation.profiling import format_summary, run_profile
-    from vismmoe_edge.options import LoadOptions
 
     out = out or Path(f"profile-{datetime.now():%Y%m%d-%H%M%S}")
     if model is None:
         typer.echo("note: no --model given: profiling the built-in demo model (trained on Shapes-VQA).", err=True)
     try:
-        options = LoadOptions(
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            tier=tier,
-            device=device,
-            dtype=dtype,
-            predictor=predictor,
-            policy=policy,
-            profile=profile,
-            prefetch_depth=prefetch_depth,
-        )
+        options = load_options(locals())
         summary = run_profile(
             out,
             model=model,

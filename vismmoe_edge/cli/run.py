@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail, plan_and_load
+from vismmoe_edge.cli.common import fail, load_options, plan_and_load
 from vismmoe_edge.cli.options import (
     AffinityWeightOpt,
     BudgetOpt,
@@ -61,7 +61,6 @@ def run(
 ) -> None:
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
     from vismmoe_edge.compress.prune import CompressionConfig
-    from vismmoe_edge.options import LoadOptions
     from vismmoe_edge.sampling import SamplingConfig
 
     try:
@@ -77,18 +76,7 @@ def run(
             )
             if not images:
                 images = [ensure_sample_image()]
-        options = LoadOptions(
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            tier=tier,
-            device=device,
-            dtype=dtype,
-            predictor=predictor,
-            policy=policy,
-            profile=profile,
-            prefetch_depth=prefetch_depth,
-            compression=compression,
-        )
+        options = load_options(locals())
         engine, plan_note = plan_and_load(model, options)
         if replay_trace is not None:
             engine.replay_routing(replay_trace)

@@ -3,8 +3,8 @@
 Decode is sampled (temperature 1) or replays routing from a trace, never greedy: greedy decoding on random
 weights repeats one token and makes any cache look perfect. Each trial reports the bytes Belady's optimal
 eviction would have moved for the same routing at the same slot count, the bound every policy is judged by.
-The comparisons under a memory cgroup and against other engines live in tools/bench_unified.py and
-tools/bench_discrete.py.
+The comparisons under a memory cgroup and against other engines live in tools/bench/unified.py and
+tools/bench/discrete.py.
 """
 
 from __future__ import annotations

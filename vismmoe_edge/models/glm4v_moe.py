@@ -20,15 +20,12 @@ import torch
 from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 
-from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
+from vismmoe_edge.checkpoint import TensorInfo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.compute import ExpertRuntime
-from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
-from vismmoe_edge.models.processing import load_processor
-from vismmoe_edge.models.resident import build_offloaded
+from vismmoe_edge.models.processing import image_only, load_processor
 
 ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
 MODEL_TYPE = "glm4v_moe"
@@ -68,49 +65,7 @@ def moe_layer_indices(config: Glm4vMoeConfig) -> list[int]:
     return list(range(text.first_k_dense_replace, text.num_hidden_layers)) if text.n_routed_experts > 0 else []
 
 
-def catalogue_for(config: Glm4vMoeConfig, table: dict[str, TensorInfo]) -> ExpertCatalogue:
-    text = config.text_config
-    return build_expert_catalogue(
-        table,
-        num_experts=text.n_routed_experts,
-        hidden=text.hidden_size,
-        inter=text.moe_intermediate_size,
-        expected_layers=moe_layer_indices(config),
-    )
-
-
-def build_model(
-    config: Glm4vMoeConfig,
-    table: dict[str, TensorInfo],
-    catalogue: ExpertCatalogue,
-    files: ShardFiles,
-    runtime: ExpertRuntime,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Glm4vMoeForConditionalGeneration:
-    """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
-    return build_offloaded(
-        Glm4vMoeForConditionalGeneration, config, table, catalogue, files, runtime, dtype=dtype, device=device,
-        tied_head=bool(config.tie_word_embeddings),
-    )  # fmt: skip
-
-
-class ImageOnlyGlm4vProcessor(Glm4vProcessor):
-    """`Glm4vProcessor` without the video processor (which needs torchvision).
-
-    `ProcessorMixin` reads the sub-processor list from this signature, so omitting `video_processor` here is
-    what makes construction and `from_pretrained` work.
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            video_processor=None,
-            chat_template=chat_template,
-            **kwargs,
-        )
+ImageOnlyGlm4vProcessor = image_only(Glm4vProcessor, "ImageOnlyGlm4vProcessor")
 
 
 def load_glm4v_processor(model_dir: Path) -> ImageOnlyGlm4vProcessor:
@@ -137,11 +92,13 @@ class Glm4vMoeOps(MRopeOps):
 FAMILY = ModelFamily(
     model_type=MODEL_TYPE,
     architecture=ARCHITECTURE,
+    model_class=Glm4vMoeForConditionalGeneration,
     read_config=read_config,
-    select_tensors=select_tensors,
-    catalogue_for=catalogue_for,
-    build_model=build_model,
-    load_processor=load_glm4v_processor,
+    moe_layers=moe_layer_indices,
+    routed_experts=lambda config: int(config.text_config.n_routed_experts),
     shared_experts=lambda config: int(config.text_config.n_shared_experts),
+    tied_head=lambda config: bool(config.tie_word_embeddings),
+    load_processor=load_glm4v_processor,
     ops=Glm4vMoeOps(),
+    select_tensors=select_tensors,
 )

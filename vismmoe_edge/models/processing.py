@@ -1,4 +1,4 @@
-"""Loading a processor saved beside a checkpoint, offline, with one-line errors: what every family shares."""
+"""Processors without video, loaded offline from beside a checkpoint with one-line errors: what families share."""
 
 from __future__ import annotations
 
@@ -27,3 +27,21 @@ def load_processor(model_dir: Path, processor_class: type[ProcessorMixin]) -> Pr
     if not proc.chat_template:
         raise VismmoeError(f"the processor in {model_dir} has no chat template: add chat_template.jinja or .json")
     return proc
+
+
+def image_only(processor_class: type[ProcessorMixin], name: str) -> type[ProcessorMixin]:
+    """`processor_class` without its video processor, which cannot be resolved without torchvision
+    (notes/transformers-vlmoe.md §4.4). `ProcessorMixin` reads the sub-processor list from `__init__`'s signature,
+    so leaving `video_processor` out of it is what makes construction and `from_pretrained` work."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # type: ignore[no-untyped-def]
+        processor_class.__init__(
+            self,
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
+
+    return type(name, (processor_class,), {"__init__": __init__, "__module__": processor_class.__module__})

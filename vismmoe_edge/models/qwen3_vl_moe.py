@@ -15,15 +15,11 @@ import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.compute import ExpertRuntime
-from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.config_json import read_config_json
-from vismmoe_edge.models.family import ModelFamily, keep_all_tensors
+from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
-from vismmoe_edge.models.processing import load_processor
-from vismmoe_edge.models.resident import build_offloaded
+from vismmoe_edge.models.processing import image_only, load_processor
 
 ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
 MODEL_TYPE = "qwen3_vl_moe"
@@ -42,17 +38,6 @@ def read_config(directory: Path) -> Qwen3VLMoeConfig:
         raise VismmoeError(f"{path}: invalid {MODEL_TYPE} config ({e})") from e
 
 
-def catalogue_for(config: Qwen3VLMoeConfig, table: dict[str, TensorInfo]) -> ExpertCatalogue:
-    text = config.text_config
-    return build_expert_catalogue(
-        table,
-        num_experts=text.num_experts,
-        hidden=text.hidden_size,
-        inter=text.moe_intermediate_size,
-        expected_layers=moe_layer_indices(config),
-    )
-
-
 def moe_layer_indices(config: Qwen3VLMoeConfig) -> list[int]:
     text = config.text_config
     return [
@@ -62,39 +47,7 @@ def moe_layer_indices(config: Qwen3VLMoeConfig) -> list[int]:
     ]
 
 
-def build_model(
-    config: Qwen3VLMoeConfig,
-    table: dict[str, TensorInfo],
-    catalogue: ExpertCatalogue,
-    files: ShardFiles,
-    runtime: ExpertRuntime,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Qwen3VLMoeForConditionalGeneration:
-    """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
-    tied = bool(config.get_text_config().tie_word_embeddings)
-    return build_offloaded(
-        Qwen3VLMoeForConditionalGeneration, config, table, catalogue, files, runtime, dtype=dtype, device=device,
-        tied_head=tied,
-    )  # fmt: skip
-
-
-class ImageOnlyProcessor(Qwen3VLProcessor):
-    """`Qwen3VLProcessor` without the video processor (which needs torchvision).
-
-    `ProcessorMixin` reads the sub-processor list from this signature, so omitting `video_processor` here
-    is what makes construction and `from_pretrained` work.
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            video_processor=None,
-            chat_template=chat_template,
-            **kwargs,
-        )
+ImageOnlyProcessor = image_only(Qwen3VLProcessor, "ImageOnlyProcessor")
 
 
 def load_qwen3_vl_processor(model_dir: Path) -> ImageOnlyProcessor:
@@ -132,11 +85,12 @@ class Qwen3VLMoeOps(MRopeOps):
 FAMILY = ModelFamily(
     model_type=MODEL_TYPE,
     architecture=ARCHITECTURE,
+    model_class=Qwen3VLMoeForConditionalGeneration,
     read_config=read_config,
-    select_tensors=keep_all_tensors,
-    catalogue_for=catalogue_for,
-    build_model=build_model,
-    load_processor=load_qwen3_vl_processor,
+    moe_layers=moe_layer_indices,
+    routed_experts=lambda config: int(config.text_config.num_experts),
     shared_experts=lambda config: 0,
+    tied_head=lambda config: bool(config.get_text_config().tie_word_embeddings),
+    load_processor=load_qwen3_vl_processor,
     ops=Qwen3VLMoeOps(),
 )

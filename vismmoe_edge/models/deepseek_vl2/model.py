@@ -25,14 +25,9 @@ from torch import nn
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, SiglipVisionModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, build_expert_catalogue
+from vismmoe_edge.checkpoint import TensorInfo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.compute import ExpertRuntime
-from vismmoe_edge.experts.store import ShardFiles
-from vismmoe_edge.models.deepseek_vl2.config import ARCHITECTURE, MODEL_TYPE, DeepseekVL2Config, read_config
-from vismmoe_edge.models.resident import build_offloaded
-
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "read_config", "select_tensors", "catalogue_for", "build_model"]
+from vismmoe_edge.models.deepseek_vl2.config import DeepseekVL2Config
 
 
 class NoauxTcRouter(nn.Module):
@@ -249,28 +244,3 @@ def moe_layer_indices(config: DeepseekVL2Config) -> list[int]:
     return list(range(text.first_k_dense_replace, text.num_hidden_layers))
 
 
-def catalogue_for(config: DeepseekVL2Config, table: dict[str, TensorInfo]) -> ExpertCatalogue:
-    text = config.text_config
-    return build_expert_catalogue(
-        table,
-        num_experts=text.n_routed_experts,
-        hidden=text.hidden_size,
-        inter=text.moe_intermediate_size,
-        expected_layers=moe_layer_indices(config),
-    )
-
-
-def build_model(
-    config: DeepseekVL2Config,
-    table: dict[str, TensorInfo],
-    catalogue: ExpertCatalogue,
-    files: ShardFiles,
-    runtime: ExpertRuntime,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> DeepseekVL2ForCausalLM:
-    """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
-    return build_offloaded(
-        DeepseekVL2ForCausalLM, config, table, catalogue, files, runtime, dtype=dtype, device=device, tied_head=False
-    )

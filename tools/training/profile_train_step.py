@@ -1,6 +1,6 @@
 """Where does a training step of the demo model spend its time on the GPU? (device tool; prints tables)
 
-    python tools/profile_train_step.py [--batch 16]
+    python tools/training/profile_train_step.py [--batch 16]
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_demo as T  # noqa: E402
+from training import train_demo as T  # noqa: E402
 from transformers import Qwen3VLMoeForConditionalGeneration  # noqa: E402
 
 

@@ -15,7 +15,8 @@ the path given and never copied anywhere.
 Prints a markdown table of next-layer hot recall@10/20/30 and wasted prefetch share, and batch-1 latency of
 one predictor call on the CPU (onnxruntime and torch). --json writes everything, with training curves.
 
-    python tools/predictor_trace_eval.py --trace /path/to/deepseek_v2_lite_chat_puffin_prefill_top6.npz --json out.json
+    python tools/analysis/predictor_trace_eval.py --trace /path/to/deepseek_v2_lite_chat_puffin_prefill_top6.npz \
+        --json out.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train the shipped demo model: a small Qwen3-VL-MoE, from scratch, on the Shapes-VQA training stream.
 
-    python tools/train_demo.py OUT_DIR [--steps auto|N] [--minutes 6.5] [--seed 0]
+    python tools/training/train_demo.py OUT_DIR [--steps auto|N] [--minutes 6.5] [--seed 0]
 
 Runs on one CUDA GPU (the H200 server: ~7 minutes). Everything is drawn from `--seed`: the weights' init, the data
 stream (train-seed scenes, disjoint from the validation/test/shifted seeds), dropout-free training order. With
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.evaluation import shapes_vqa as sv  # noqa: E402
 from vismmoe_edge.evaluation.scoring import Scoreboard  # noqa: E402
@@ -304,7 +304,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def dense_experts_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """Every expert on every token as two large matmuls, mixed by the router weights (zero for experts a token
     was not routed to). Same outputs and gradients as the sparse loop, but a handful of kernel launches instead
-    of thousands: a training step of this tiny model was bound by launch overhead (tools/profile_train_step.py)."""
+    of thousands: a training step of this tiny model was bound by launch overhead
+    (tools/training/profile_train_step.py)."""
     tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = self.gate_up_proj.shape
     weights = torch.zeros(tokens, num_experts, device=hidden.device, dtype=top_k_weights.dtype)

@@ -6,7 +6,7 @@ Each trial picks N distinct expert slots at random; each method starts from an e
 resident. Prints a markdown table of median MB/s (requested bytes / time, MB = 10^6 B) and the bytes really
 read (this process's /proc/self/io read_bytes, and the block device's sectors read), or JSON with --json.
 
-    python tools/bench_prefetch.py --size 2GiB --experts 32 --trials 3
+    python tools/bench/prefetch.py --size 2GiB --experts 32 --trials 3
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             args.path.unlink(missing_ok=True)
     result = {
-        "command": shlex.join(["python", "tools/bench_prefetch.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["python", "tools/bench/prefetch.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "config": {

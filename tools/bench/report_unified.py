@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown table of a tools/bench_unified.py JSON result: each strategy against plain mmap and the oracle bound."""
+"""Markdown table of a tools/bench/unified.py JSON result: each strategy against plain mmap and the oracle bound."""
 
 from __future__ import annotations
 

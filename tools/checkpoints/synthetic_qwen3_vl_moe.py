@@ -24,8 +24,8 @@ How it is built (peak RAM ~ one shard, <= `shard_bytes`, plus ~100 MB):
   most `shard_bytes`; each shard is materialised alone and written with `safetensors.torch.save_file`.
 - The directory is written as `.NAME.partial` beside `out_dir` and renamed into place at the end.
 
-CLI:  python tools/make_synthetic_checkpoint.py /work/bench-data/qwen3vl-30b-a3b-8layer        # 8 layers, ~9.7 GB
-      python tools/make_synthetic_checkpoint.py /tmp/tiny --layers 2 --experts 16               # smoke test
+CLI:  python tools/checkpoints/synthetic_qwen3_vl_moe.py /work/bench-data/qwen3vl-30b-a3b-8layer   # 8 layers, ~9.7 GB
+      python tools/checkpoints/synthetic_qwen3_vl_moe.py /tmp/tiny --layers 2 --experts 16               # smoke test
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def build_synthetic_checkpoint(
         processor.save_pretrained(directory)
 
     marker = {
-        "builder": "tools/make_synthetic_checkpoint.py",
+        "builder": "tools/checkpoints/synthetic_qwen3_vl_moe.py",
         "params": {
             "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "experts": experts, "top_k": top_k, "moe_intermediate": moe_intermediate, "vocab": vocab,
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
     raise SystemExit(main())

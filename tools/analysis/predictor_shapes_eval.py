@@ -10,7 +10,7 @@ calibration files, then scores every sample of the test files for the next MoE l
   recorded by calibrate while the model ran);
 - hot recall@10/20/30 of layer i+1's top-20 experts, and wasted prefetch share, overall, per phase and per layer.
 
-    python tools/predictor_shapes_eval.py --train cal/train-none.npz cal/train-affinity.npz \
+    python tools/analysis/predictor_shapes_eval.py --train cal/train-none.npz cal/train-affinity.npz \
         --test cal/test.npz --shifted cal/shifted.npz --json out.json --md out.md
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.predict.baselines import (  # noqa: E402
     current_layer_transfer_scores,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random DeepSeek-VL2 checkpoint in the original layout, real expert sizes, shard by shard.
 
-The DeepSeek-VL2 counterpart of tools/make_synthetic_checkpoint.py (same approach, same helpers): a model
+The DeepSeek-VL2 counterpart of tools/checkpoints/synthetic_qwen3_vl_moe.py (same approach, same helpers): a model
 directory that `vismmoe_edge.load` reads like a downloaded DeepSeek-VL2 one: `config.json` in the original form
 (`model_type: deepseek_vl_v2`, `language_config` / `vision_config` / `projector_config`), `generation_config.json`,
 `model.safetensors.index.json` + shards, the offline tokenizer and `processor_config.json`, and
@@ -27,8 +27,8 @@ directory that `vismmoe_edge.load` reads like a downloaded DeepSeek-VL2 one: `co
 - Tensors are packed in model order into shards of at most `shard_bytes`, each materialised alone (peak RAM about
   one shard), written into `.NAME.partial` beside `out_dir` and renamed into place at the end.
 
-CLI:  python tools/make_synthetic_deepseek_vl2.py /work/bench-data/deepseek-vl2-small-9layer   # 1+8 layers, ~9.8 GB
-      python tools/make_synthetic_deepseek_vl2.py /tmp/tiny --layers 3 --experts 8 --top-k 2 --hidden 64 ...
+CLI:  python tools/checkpoints/synthetic_deepseek_vl2.py /work/bench-data/deepseek-vl2-small-9layer # 1+8 layers, 9.8 GB
+      python tools/checkpoints/synthetic_deepseek_vl2.py /tmp/tiny --layers 3 --experts 8 --top-k 2 --hidden 64 ...
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[1]
 for _p in (TOOLS, TOOLS.parent):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import make_synthetic_checkpoint as msc  # noqa: E402
+from checkpoints import synthetic_qwen3_vl_moe as msc  # noqa: E402
 
 INDEX_NAME = msc.INDEX_NAME
 MARKER_NAME = msc.MARKER_NAME
@@ -237,7 +237,7 @@ def build_synthetic_deepseek_vl2(
         DeepseekVL2Processor(tok, CANDIDATES, patch_size=14, downsample_ratio=2).save_pretrained(directory)
 
     marker = {
-        "builder": "tools/make_synthetic_deepseek_vl2.py",
+        "builder": "tools/checkpoints/synthetic_deepseek_vl2.py",
         "family": "deepseek-vl2",
         "language_config": raw["language_config"],
         "params": {

@@ -19,7 +19,7 @@ on a bigger machine. Here:
 - `evict_page_cache(paths)`: fdatasync + posix_fadvise(POSIX_FADV_DONTNEED) on each file. Pages that some process
   has mapped or locked stay; `resident_bytes(paths)` (mincore) tells what is still cached.
 
-CLI:  python tools/memcgroup.py --limit 4GiB --evict FILE... -- CMD ARGS
+CLI:  python tools/bench/memcgroup.py --limit 4GiB --evict FILE... -- CMD ARGS
       (`--limit 40%` means 40% of the total size of the --evict files; `--json` prints the result as JSON.)
 """
 

@@ -9,7 +9,7 @@ Compares, in one run, decode tokens/s and prefill latency (a prompt with ~1,100 
   measured pinned bandwidth, overlapped perfectly with the all-resident compute time.
 
 Decode is sampled (temperature 1): random weights under greedy decoding repeat one token and flatter caches.
-Run on the GPU server:  python3 tools/bench_discrete.py --out-dir /tmp/bench --json $OUT/discrete.json
+Run on the GPU server:  python3 tools/bench/discrete.py --out-dir /tmp/bench --json $OUT/discrete.json
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 IMAGE_SIDE = 1056  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
 PROMPT = "Describe everything in this picture in detail."
@@ -40,7 +40,7 @@ def gpu_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, g: torch.
 
 
 def build_checkpoint(out: Path, layers: int) -> Path:
-    import make_synthetic_checkpoint as msc
+    from checkpoints import synthetic_qwen3_vl_moe as msc
 
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_processor
 

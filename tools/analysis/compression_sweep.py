@@ -12,7 +12,7 @@ For each (compressor, keep ratio), on a freshly loaded engine (same cold cache f
 Writes JSON (`--json`), a markdown report (`--md`) and two plots (`--plots DIR`): unique experts per layer and
 next-layer NMI per layer, one line per compressor at each keep ratio.
 
-    python tools/compression_sweep.py --model vismmoe_edge/demo_model --split test --limit 500 \
+    python tools/analysis/compression_sweep.py --model vismmoe_edge/demo_model --split test --limit 500 \
         --ratios 0.7,0.5 --memory-budget 40% --pinned-layers 2 --json docs/compression-sweep.json \
         --md docs/compression-sweep.md --plots docs/figures
 """
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.compress.prune import CompressionConfig  # noqa: E402
 from vismmoe_edge.evaluation.analyze import analyze_compressor  # noqa: E402

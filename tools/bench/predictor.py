@@ -1,7 +1,7 @@
 """Latency of one lookahead-predictor call (batch 1) at a model's geometry: onnxruntime and torch on CPU, torch on
 CUDA when present (onnxruntime-gpu cannot be installed on the offline GPU server).
 
-    python tools/bench_predictor.py --layers 48 --experts 128 --hidden 2048 --json out.json   # Qwen3-VL-30B-A3B
+    python tools/bench/predictor.py --layers 48 --experts 128 --hidden 2048 --json out.json   # Qwen3-VL-30B-A3B
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.predict.lookahead import LookaheadMLP  # noqa: E402
 from vismmoe_edge.predict.onnx_runtime import PredictorSession, export_onnx, random_inputs  # noqa: E402

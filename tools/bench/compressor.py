@@ -7,7 +7,7 @@ vision geometry (16 heads, head dim 80). Each op gets warm-up runs, then timed r
 after each; attention_received takes about a second on a desktop CPU, so it gets 20 runs there unless --attn-runs
 says otherwise); prints P50/P99 as a markdown table, and writes JSON with --json.
 
-    python tools/bench_compressor.py --n 1089 --runs 200 --json /tmp/compressor.json
+    python tools/bench/compressor.py --n 1089 --runs 200 --json /tmp/compressor.json
 """
 
 from __future__ import annotations

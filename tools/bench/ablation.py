@@ -11,7 +11,7 @@ interleave the configurations so that drift on a noisy machine hits all of them 
 prompts and rounds: prefill ms, decode tokens/s, bytes read per request, hit rate, stall, and ratios against the
 base pipeline measured in the same run.
 
-    python tools/ablation_table4.py --model vismmoe_edge/demo_model --predictor-file predictor.onnx \
+    python tools/bench/ablation.py --model vismmoe_edge/demo_model --predictor-file predictor.onnx \
         --device cpu --tier unified --memory-budget 40% --pinned-layers 2 --prompts 8 --rounds 3 --json out.json
 On the GPU server: --device cuda --tier gpu.
 """
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CAPTION = "List the objects from left to right."
 CONFIGS = {  # name -> (predictor, compressor)

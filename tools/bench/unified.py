@@ -12,7 +12,7 @@ Routing: `--routing replay` takes routed experts from a real trace (`--trace PAT
 prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
 `--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
 
-    python tools/bench_unified.py --model /work/bench-data/qwen3vl-30b-a3b-8layer \
+    python tools/bench/unified.py --model /work/bench-data/qwen3vl-30b-a3b-8layer \
         --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(TOOLS.parent))
 
@@ -186,7 +186,7 @@ def oracle_row(lru: dict, bandwidth_gb_s: float, compute_s: float) -> dict:
 
 
 def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, shards: list[Path], start_token: int):
-    import memcgroup
+    from bench import memcgroup
 
     cmd = [
         sys.executable,
@@ -227,7 +227,7 @@ def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, sh
 
 def run_llamacpp(args: argparse.Namespace, cap_bytes: int) -> dict:
     """llama.cpp's own llama-bench tg32 on the same expert bytes (converted to GGUF), same cap, evicted cache."""
-    import llamacpp_baseline
+    from bench import llamacpp as llamacpp_baseline
 
     result = llamacpp_baseline.llama_bench(
         args.llama_gguf,

@@ -10,11 +10,11 @@ llama.cpp and its converter) somewhere outside the repo, e.g.:
 Subcommands (see docs/benchmark-setup.md):
 
     build    cmake configure + build llama-bench / llama-completion (CPU, Release, -DGGML_NATIVE=ON)
-    convert  our Qwen3-VL-MoE checkpoint -> text-only Qwen3MoeForCausalLM (tools/export_text_moe.py, same expert
-             bytes) -> GGUF (bf16) with llama.cpp's convert_hf_to_gguf.py
+    convert  our Qwen3-VL-MoE checkpoint -> text-only Qwen3MoeForCausalLM (tools/checkpoints/export_text_moe.py,
+             same expert bytes) -> GGUF (bf16) with llama.cpp's convert_hf_to_gguf.py
     bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes,
              each started with the GGUF evicted from the page cache and run inside a memory cgroup capped at
-             --limit (tools/memcgroup.py); reports tok/s and the bytes read during the timed section
+             --limit (tools/bench/memcgroup.py); reports tok/s and the bytes read during the timed section
 
 Bytes read: llama-bench is run with `--progress`, which prints "generation run"/"prompt run" to stderr right
 before the timed section; at that moment the child's /proc/<pid>/io `read_bytes` and the disks' sector counters
@@ -41,9 +41,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import memcgroup  # noqa: E402
+from bench import memcgroup  # noqa: E402
 
 DEFAULT_TARGETS = ("llama-bench", "llama-completion")
 
@@ -115,7 +115,7 @@ def convert_to_gguf(hf_dir: str | Path, out_gguf: str | Path, llama_src: str | P
                     text_dir: str | Path | None = None, keep_text_dir: bool = False,
                     python: str = sys.executable) -> dict[str, object]:
     """Convert our checkpoint to GGUF. A Qwen3-VL-MoE dir is exported to a text-only Qwen3MoeForCausalLM first."""
-    from export_text_moe import export_text_moe
+    from checkpoints.export_text_moe import export_text_moe
 
     hf_dir, out_gguf, llama_src = Path(hf_dir), Path(out_gguf), Path(llama_src).resolve()
     model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")

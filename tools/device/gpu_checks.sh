@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the GPU server (device tool): correctness of the CUDA paths against transformers, then quick timings.
-# Usage there: bash tools/gpu_checks.sh   (expects .whl/ carried with the transformers wheel we test against)
+# Usage there: bash tools/device/gpu_checks.sh   (expects .whl/ carried with the transformers wheel we test against)
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -1,9 +1,10 @@
 """Train a routing-history-only lookahead predictor on a real trace, for benchmarks that replay that trace.
 
-    python tools/train_trace_predictor.py --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz \
+    python tools/training/train_trace_predictor.py \
+        --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz \
         --layers 8 --experts 128 --test-from 160000 --out /tmp/trace-predictor.onnx
 
-`vismmoe-edge --replay-trace` (and tools/bench_unified.py) maps model MoE layer i to trace layer i mod 26 and keeps
+`vismmoe-edge --replay-trace` (and tools/bench/unified.py) maps model MoE layer i to trace layer i mod 26 and keeps
 expert ids, so the predictor is trained on trace layers 0..L-1 over the model's E experts. Training uses only
 prompts that end before token `--test-from` and whose content (blob) does not reappear after it: replays that
 start at or after `--test-from` then test it on routing it never saw. The trace is read from its path only.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.predict.from_ids import samples_from_ids  # noqa: E402
 from vismmoe_edge.predict.lookahead import train_predictor  # noqa: E402

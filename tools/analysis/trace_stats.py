@@ -1,6 +1,6 @@
 """LRU vs Belady (the offline optimum) on a routing trace, as a markdown table.
 
-    python tools/trace_stats.py TRACE --capacity-experts 166,416,25% --expert-mib 9.0 [--max-tokens 20000]
+    python tools/analysis/trace_stats.py TRACE --capacity-experts 166,416,25% --expert-mib 9.0 [--max-tokens 20000]
 
 TRACE is a `.npz` measurement trace or a `vismmoe-edge run --trace-out` JSONL file, always given by path.
 Replay model: one cache shared by all MoE layers, capacity counted in experts (a value ending in % is that share
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from vismmoe_edge.errors import VismmoeError  # noqa: E402
 from vismmoe_edge.experts.oracle import belady, expert_access_sequence, lru  # noqa: E402

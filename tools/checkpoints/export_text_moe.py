@@ -12,7 +12,7 @@ ids, interleaved M-RoPE is plain RoPE, and Qwen3-VL-MoE always renormalises its 
 
 Peak RAM is one source shard (each output shard mirrors one input shard).
 
-CLI:  python tools/export_text_moe.py SRC_DIR OUT_DIR [--overwrite]
+CLI:  python tools/checkpoints/export_text_moe.py SRC_DIR OUT_DIR [--overwrite]
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def export_text_moe(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool
             if (src_dir / name).is_file():
                 shutil.copy2(src_dir / name, tmp / name)
         (tmp / "EXPORTED_FROM.json").write_text(
-            json.dumps({"source": str(src_dir.resolve()), "tool": "tools/export_text_moe.py"}, indent=2) + "\n"
+            json.dumps({"source": str(src_dir.resolve()), "tool": "tools/checkpoints/export_text_moe.py"}, indent=2)
+            + "\n"
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -1,0 +1,93 @@
+"""LoadOptions -> the plan -> the loaded engine: one resolution for every command, the checkpoint read once, the
+plan's prefetch depth as the pipeline's speculative cap."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vismmoe_edge import checkpoint_info
+from vismmoe_edge.checkpoint_info import inspect_checkpoint
+from vismmoe_edge.config import parse_budget
+from vismmoe_edge.describe import describe_checkpoint
+from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+from vismmoe_edge.options import LoadOptions, load_engine, resolve
+
+GIB = 1 << 30
+NANO = "orin-nano-8gb-super--maxn-super"  # l_semantic 3, c_safe 1 GiB, prefetch depth 2, unified memory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("options") / "tiny", num_layers=8)
+
+
+def available_for(model: Path, expert_bytes: int) -> int:
+    """MemAvailable that leaves `expert_bytes` for experts under the Nano profile (1 GiB C_safe)."""
+    return expert_bytes + describe_checkpoint(model)["resident_bytes"] + GIB
+
+
+def test_nothing_left_to_the_plan_is_taken_as_given(tiny: Path) -> None:
+    options = LoadOptions(memory_budget="40%", pinned_layers=1, tier="host")
+    resolved = resolve(options, inspect_checkpoint(tiny))
+    assert (resolved.memory_budget, resolved.pinned_layers, resolved.tier) == ("40%", 1, "host")
+    assert resolved.prefetch_depth == DEFAULT_PREFETCH_DEPTH and resolved.plan is None and resolved.note == ""
+
+
+def test_auto_takes_every_number_from_the_plan(tiny: Path) -> None:
+    d = describe_checkpoint(tiny)
+    m_e = 5 * d["expert_bytes_per_layer"] + 10 * d["bytes_per_expert"]
+    resolved = resolve(LoadOptions(profile=NANO), inspect_checkpoint(tiny), mem_available=available_for(tiny, m_e))
+    plan = resolved.plan
+    assert plan is not None
+    assert resolved.memory_budget == str(plan.memory_budget_bytes) == str(m_e)
+    assert (resolved.pinned_layers, resolved.tier, resolved.prefetch_depth) == (3, "unified", plan.prefetch_depth)
+    assert f"profile {NANO}" in resolved.note and "prefetch depth 2" in resolved.note
+
+
+def test_a_fixed_budget_caps_the_planned_pinned_depth(tiny: Path) -> None:
+    d = describe_checkpoint(tiny)
+    s_layer, s_e = d["expert_bytes_per_layer"], d["bytes_per_expert"]
+    roomy = available_for(tiny, 100 * d["total_expert_bytes"])  # the plan alone would pin 3
+    budget = str(2 * s_layer + s_e)  # room for two layers and one streamed expert
+    resolved = resolve(LoadOptions(memory_budget=budget, profile=NANO), inspect_checkpoint(tiny), mem_available=roomy)
+    assert resolved.plan is not None and resolved.plan.pinned_layers == 3
+    assert resolved.pinned_layers == 2 and resolved.memory_budget == budget
+    assert parse_budget(budget, d["total_expert_bytes"]) - 2 * s_layer >= s_e
+
+
+def test_the_plans_prefetch_depth_is_the_pipelines_speculative_cap(tiny: Path) -> None:
+    d = describe_checkpoint(tiny)
+    m_e = 5 * d["expert_bytes_per_layer"] + 10 * d["bytes_per_expert"]
+    options = LoadOptions(profile=NANO, device="cpu", predictor="previous-token")
+    for depth in (None, 1, 0):  # the plan's (2), then the user's
+        engine, resolved = load_engine(
+            tiny, replace(options, prefetch_depth=depth), mem_available=available_for(tiny, m_e)
+        )
+        pipeline = engine.experts.pipeline
+        top_k = d["top_k"]
+        expected_depth = resolved.plan.prefetch_depth if depth is None else depth
+        assert resolved.prefetch_depth == expected_depth
+        cap_experts = min(expected_depth * top_k, pipeline.capacity // 4)
+        assert pipeline.speculative_cap_bytes == cap_experts * pipeline.tier.slot_bytes
+        pipeline.close()
+
+
+def test_loading_reads_the_checkpoint_once(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = checkpoint_info.read_tensor_table
+
+    def counting(directory: Path) -> dict:
+        calls.append(directory)
+        return real(directory)
+
+    monkeypatch.setattr(checkpoint_info, "read_tensor_table", counting)
+    available = available_for(tiny, 5 * describe_checkpoint(tiny)["expert_bytes_per_layer"])
+    calls.clear()
+    engine, _ = load_engine(tiny, LoadOptions(profile=NANO, device="cpu"), mem_available=available)
+    engine.experts.pipeline.close()
+    assert calls == [tiny]  # the planner and the loader share one inspection

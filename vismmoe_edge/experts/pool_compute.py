@@ -1,0 +1,74 @@
+"""A MoE layer's routed experts in one batched computation over the slot pool.
+
+Every resident expert (pinned or cached) sits in one `[slots, 2I, H]` and one `[slots, H, I]` tensor, so a layer
+needs only each routed expert's slot, not a host loop over experts:
+- one token (decode): gather its k experts' weights and run two batched GEMMs; the shapes never change, so this
+  is what a CUDA graph replays;
+- many tokens (prefill): tokens sorted by slot and one grouped GEMM over the whole pool (`torch._grouped_mm`,
+  empty groups allowed), or where the build or dtype has no grouped GEMM, a loop over the slots in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def decode_experts(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
+) -> torch.Tensor:
+    """x [1, H], slots and weights [1, k] -> [1, H]: one token's k experts as two batched GEMMs."""
+    w_gate_up = gate_up.index_select(0, slots[0])  # [k, 2I, H]
+    w_down = down.index_select(0, slots[0])  # [k, H, I]
+    gate, up = torch.matmul(w_gate_up, x[0]).chunk(2, dim=-1)  # [k, I] each
+    y = torch.matmul(w_down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [k, H]
+    return (y * weights[0, :, None]).sum(0, keepdim=True).to(x.dtype)
+
+
+def grouped_mm_works(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `torch._grouped_mm` runs here: CUDA builds take bf16 on sm_90+; the CPU build fp32 and bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+def prefill_experts(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Act,
+    *,
+    grouped: bool,
+) -> torch.Tensor:
+    """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once."""
+    tokens, k = slots.shape
+    flat = slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, expert) pairs grouped by slot
+    token_of = order // k
+    xs = x[token_of]
+    if grouped:
+        counts = torch.bincount(flat, minlength=gate_up.shape[0])
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+    else:
+        sorted_slots = flat[order]
+        used, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+        y = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for slot, count in zip(used.tolist(), counts.tolist(), strict=True):
+            rows = slice(start, start + count)
+            gate, up = F.linear(xs[rows], gate_up[slot]).chunk(2, dim=-1)
+            y[rows] = F.linear(act(gate) * up, down[slot])
+            start += count
+    y = y * weights.reshape(-1)[order, None]
+    out = torch.zeros_like(x)
+    return out.index_add_(0, token_of, y.to(x.dtype))
