@@ -169,3 +169,32 @@ def test_cuda_slot_pool_matches_transformers(tmp_path: Path, images: list[Path],
             logits, _ = engine.prefill(inputs)
             assert torch.allclose(logits.float(), ref_logits, atol=1e-4), (logits.float() - ref_logits).abs().max()
     assert engine.experts.pipeline.stats.misses > 0
+
+
+def static_teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> list[torch.Tensor]:
+    logits, state = engine.prefill(inputs)
+    engine.start_decode(state, len(tokens))
+    steps = [logits.float()]
+    for token in tokens[:-1]:
+        steps.append(engine.decode_step(token, state).float().clone())
+    return steps
+
+
+@pytest.mark.parametrize("layout", ["v5", "hub"])
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+@pytest.mark.parametrize("pinned", [0, 2])
+def test_static_cache_decode_matches_transformers(checkpoints, references, layout: str, budget: str, pinned: int):
+    """The preallocated-cache decoder (what CUDA graphs replay), run eagerly here: same tokens, same logits."""
+    engine = vismmoe_edge.load(checkpoints[layout], memory_budget=budget, pinned_layers=pinned, device="cpu",
+                               tier="host")  # fmt: skip
+    engine.static_decode = "on"
+    assert engine.uses_static_decode()
+    for name, ref in references.items():
+        result = engine.generate_from_inputs(
+            ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        )
+        assert result.token_ids == ref.tokens, name
+        ours = static_teacher_forced_logits(engine, ref.inputs, ref.tokens)
+        for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
+    assert len(engine._decoders) == 1  # one decoder (one capture on CUDA) served every prompt

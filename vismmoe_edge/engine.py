@@ -9,6 +9,7 @@ differs per model family sits behind `PrefillOps` (vismmoe_edge/models/ops.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.models.ops import PrefillOps
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
+from vismmoe_edge.static_decode import StaticDecoder, capacity_for, supports_static_decode
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -89,6 +91,7 @@ class GenerationResult:
 class DecodeState:
     cache: DynamicCache
     next_position: int  # decode positions continue the original numbering (max prompt position + 1)
+    static: StaticDecoder | None = None  # the preallocated-cache decoder that took the cache over, if any
 
 
 class Engine:
@@ -127,6 +130,11 @@ class Engine:
         self.compression = CompressionConfig()  # visual-token compression, applied right after that prefix
         self.last_compression: CompressionReport | None = None
         self.context = context  # what observers of a step read: tokens of interest, the visual summary
+        # Decode over a preallocated KV cache, as CUDA graphs on CUDA: "auto" (on for CUDA and the families whose
+        # layers it knows), "on" (eagerly on the CPU too: the check that it changes no token), "off".
+        self.static_decode = "auto"
+        self.cuda_graphs = os.environ.get("VISMMOE_CUDA_GRAPHS", "1") != "0"
+        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -283,11 +291,46 @@ class Engine:
         return self.catalogue.moe_layers[self.pinned_layers - 1] + 1
 
     # ---- decode -------------------------------------------------------------------------------------
+    def uses_static_decode(self) -> bool:
+        if self.static_decode == "off" or not supports_static_decode(self.model):
+            return False
+        return self.static_decode == "on" or self.device.type == "cuda"
+
+    def start_decode(self, state: DecodeState, max_new_tokens: int) -> None:
+        """Hand the prefill's cache to the preallocated-cache decoder (one per capacity, graphs captured once)."""
+        if not self.uses_static_decode():
+            return
+        replay = self.experts.replay
+        routed_k = replay.trace.top_k if replay is not None else self.context.top_k
+        capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
+        decoder = self._decoders.get((capacity, routed_k))
+        if decoder is None:
+            graphs = self.cuda_graphs and self.device.type == "cuda"
+            decoder = self._decoders[(capacity, routed_k)] = StaticDecoder(
+                self, state.cache, capacity, routed_k, graphs=graphs
+            )
+        decoder.start(state.cache)
+        state.static = decoder
+
     @torch.inference_mode()
     def decode_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
         """One token through every layer; returns the next-token logits [vocab]."""
         with self._attention_kernels():
+            if state.static is not None:
+                return self._static_step(token_id, state)
             return self._decode_step(token_id, state)
+
+    def _static_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
+        decoder = state.static
+        assert decoder is not None
+        past = decoder.host_length
+        for observer in self.observers:
+            observer.begin_step("decode", 1)
+        logits = decoder.step(token_id, state.next_position)
+        state.next_position += 1
+        for observer in self.observers:
+            observer.end_step("decode", past)
+        return logits
 
     def _decode_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
         lm = self.language_model
@@ -355,6 +398,8 @@ class Engine:
         start = time.perf_counter()
         logits, state = self.prefill(inputs, timings)
         token = sampler(logits, 0)
+        if sampling.max_new_tokens > 1 and token not in stop_ids:
+            self.start_decode(state, sampling.max_new_tokens)
         timings.prefill_s = time.perf_counter() - start
         produced = 1
         yield token

@@ -15,11 +15,11 @@ adds shared experts or other routers keep the eager path (`supports_static_decod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 
 from vismmoe_edge.experts.compute import OffloadedExperts
@@ -44,21 +44,25 @@ class StaticCache:
     fewer tokens. `update` is what transformers' attention modules call; it writes the new position in place.
     """
 
-    def __init__(self, prefill: DynamicCache, capacity: int) -> None:
-        layers = prefill.layers
-        first = layers[0].keys
+    def __init__(self, like: DynamicCache, capacity: int) -> None:
+        first = like.layers[0].keys
         batch, heads, _, dim = first.shape
         self.capacity = capacity
-        self.keys = [torch.zeros(batch, heads, capacity, dim, dtype=first.dtype, device=first.device) for _ in layers]
+        shape = (batch, heads, capacity, dim)
+        self.keys = [torch.zeros(shape, dtype=first.dtype, device=first.device) for _ in like.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        lengths = [layer.keys.shape[2] for layer in layers]
-        if max(lengths) >= capacity:
-            raise ValueError(f"KV capacity {capacity} cannot hold {max(lengths)} prompt positions and a new one")
-        for i, layer in enumerate(layers):
+        self.lengths = torch.zeros(len(like.layers), dtype=torch.long, device=first.device)  # filled per layer
+        self.positions = torch.arange(capacity, device=first.device)
+
+    def fill(self, prefill: DynamicCache) -> None:
+        """Take over the prefill's K/V (the buffers keep their addresses: captured graphs stay valid)."""
+        lengths = [layer.keys.shape[2] for layer in prefill.layers]
+        if max(lengths) >= self.capacity:
+            raise ValueError(f"KV capacity {self.capacity} cannot hold {max(lengths)} prompt positions and a new one")
+        for i, layer in enumerate(prefill.layers):
             self.keys[i][:, :, : lengths[i]] = layer.keys
             self.values[i][:, :, : lengths[i]] = layer.values
-        self.lengths = torch.tensor(lengths, dtype=torch.long, device=first.device)  # filled positions per layer
-        self.positions = torch.arange(capacity, device=first.device)
+        self.lengths.copy_(torch.tensor(lengths))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -79,144 +83,144 @@ class StaticCache:
 
 
 @dataclass
-class StepBuffers:
-    """Every tensor a captured graph reads or writes: the graphs always see these same addresses."""
+class MoeBuffers:
+    """One MoE layer's routing, on both sides of the bus."""
 
-    token: torch.Tensor  # [1, 1] long, on the device
-    position: torch.Tensor  # [3, 1, 1] long
-    hidden: torch.Tensor  # [1, 1, H]
-    normed: torch.Tensor  # [1, 1, H]: the MoE block's input
-    logits: torch.Tensor  # [vocab]
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-    top_k_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer, [1, k] on the device
-    top_k_weights: dict[int, torch.Tensor] = field(default_factory=dict)
-    host_index: dict[int, torch.Tensor] = field(default_factory=dict)  # pinned copies the host reads
-    host_weights: dict[int, torch.Tensor] = field(default_factory=dict)
-    host_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # pinned: the slot of each routed expert
-    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # their device copies
-    weights: dict[int, torch.Tensor] = field(default_factory=dict)  # routing weights the experts are mixed by
+    router_index: torch.Tensor  # [1, k] long, the router's choice (device)
+    router_weights: torch.Tensor  # [1, k]
+    host_index: torch.Tensor  # pinned copies the host reads
+    host_weights: torch.Tensor  # float32
+    host_slots: torch.Tensor  # [1, r] pinned: the slot of each expert the token uses (r = k, or the trace's top-k)
+    host_mix: torch.Tensor  # [1, r] float32: their weights
+    slots: torch.Tensor  # device copies of the two above
+    mix: torch.Tensor
 
 
 class StaticDecoder:
-    """The decode steps of one request, over a `StaticCache` filled from the prefill's cache.
+    """Decode steps over a `StaticCache`, for any request whose prompt and reply fit in `capacity` positions.
 
-    With `graphs` (CUDA only) each piece of a step is captured on first use of a capacity and replayed after;
-    without, the same functions run eagerly (the CPU path, and the check that capture changes nothing).
+    With `graphs` (CUDA only) each piece of a step is captured on its first use and replayed after; without, the
+    same functions run eagerly (the CPU path, and the check that capture changes nothing). One decoder serves
+    request after request (`start` takes over each prefill's cache), so capture happens once per capacity.
     """
 
-    def __init__(self, engine: Any, prefill_cache: DynamicCache, capacity: int, *, graphs: bool) -> None:
+    def __init__(self, engine: Any, like: DynamicCache, capacity: int, routed_k: int, *, graphs: bool) -> None:
         self.engine = engine
         self.lm = engine.language_model
         self.device = engine.device
-        self.cache = StaticCache(prefill_cache, capacity)
+        self.cache = StaticCache(like, capacity)
         self.graphs = graphs and self.device.type == "cuda"
-        hidden_size = self.lm.config.hidden_size
-        dtype = engine.dtype
-        pinned = self.device.type == "cuda"
-        self.b = StepBuffers(
-            token=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-            position=torch.zeros(3, 1, 1, dtype=torch.long, device=self.device),
-            hidden=torch.zeros(1, 1, hidden_size, dtype=dtype, device=self.device),
-            normed=torch.zeros(1, 1, hidden_size, dtype=dtype, device=self.device),
-            logits=torch.zeros(engine.model.lm_head.out_features, dtype=dtype, device=self.device),
-        )
-        self.host_token = torch.zeros(1, 1, dtype=torch.long, pin_memory=pinned)
-        self.host_position = torch.zeros(3, 1, 1, dtype=torch.long, pin_memory=pinned)
+        on_gpu = self.device.type == "cuda"
+        hidden_size, dtype = self.lm.config.hidden_size, engine.dtype
+
+        def dev(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, pin_memory=on_gpu)
+
+        self.token, self.host_token = dev(1, 1, dtype=torch.long), host(1, 1, dtype=torch.long)
+        self.position, self.host_position = dev(3, 1, 1, dtype=torch.long), host(3, 1, 1, dtype=torch.long)
+        self.hidden, self.normed = dev(1, 1, hidden_size), dev(1, 1, hidden_size)
+        self.logits = dev(engine.model.lm_head.out_features)
+        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.moe: dict[int, OffloadedExperts] = {}
+        self.buffers: dict[int, MoeBuffers] = {}
         for i, layer in enumerate(self.lm.layers):
             experts = getattr(layer.mlp, "experts", None)
-            if not isinstance(experts, OffloadedExperts):
-                continue
-            self.moe[i] = experts
-            k = layer.mlp.gate.top_k
-            b = self.b
-            b.top_k_index[i] = torch.zeros(1, k, dtype=torch.long, device=self.device)
-            b.top_k_weights[i] = torch.zeros(1, k, dtype=dtype, device=self.device)
-            b.host_index[i] = torch.zeros(1, k, dtype=torch.long, pin_memory=pinned)
-            b.host_weights[i] = torch.zeros(1, k, dtype=torch.float32, pin_memory=pinned)
-            b.host_slots[i] = torch.zeros(1, k, dtype=torch.long, pin_memory=pinned)
-            b.slots[i] = torch.zeros(1, k, dtype=torch.long, device=self.device)
-            b.weights[i] = torch.zeros(1, k, dtype=dtype, device=self.device)
-        self.routed = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._captured: dict[str, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+            if isinstance(experts, OffloadedExperts):
+                k = layer.mlp.gate.top_k
+                self.moe[i] = experts
+                self.buffers[i] = MoeBuffers(
+                    dev(1, k, dtype=torch.long), dev(1, k), host(1, k, dtype=torch.long),
+                    host(1, k, dtype=torch.float32), host(1, routed_k, dtype=torch.long),
+                    host(1, routed_k, dtype=torch.float32), dev(1, routed_k, dtype=torch.long), dev(1, routed_k),
+                )  # fmt: skip
+        self.routed = torch.cuda.Event() if on_gpu else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.host_length = 0  # layer 0's filled positions, known on the host without a sync
+
+    def start(self, prefill: DynamicCache) -> None:
+        self.cache.fill(prefill)
+        self.host_length = prefill.layers[0].keys.shape[2]
 
     # ---- the pieces of a step (each one graph) ------------------------------------------------------------------
     def _embed(self) -> None:
-        b = self.b
-        b.token.copy_(self.host_token, non_blocking=True)
-        b.position.copy_(self.host_position, non_blocking=True)
-        b.hidden.copy_(self.lm.embed_tokens(b.token))
-        cos, sin = self.engine.ops.rotary(self.lm, b.hidden, b.position)
-        if b.cos_sin is None:
-            b.cos_sin = (cos, sin)
+        self.token.copy_(self.host_token, non_blocking=True)
+        self.position.copy_(self.host_position, non_blocking=True)
+        self.hidden.copy_(self.lm.embed_tokens(self.token))
+        cos, sin = self.engine.ops.rotary(self.lm, self.hidden, self.position)
+        if self.cos_sin is None:
+            self.cos_sin = (cos.clone(), sin.clone())
         else:
-            b.cos_sin[0].copy_(cos)
-            b.cos_sin[1].copy_(sin)
+            self.cos_sin[0].copy_(cos)
+            self.cos_sin[1].copy_(sin)
 
     def _attention(self, i: int) -> None:
-        """Norm, attention (writing this position's K/V), residual, norm, and for a MoE layer its router."""
-        b, layer = self.b, self.lm.layers[i]
-        h = layer.input_layernorm(b.hidden)
-        mask = self.cache.mask(i, b.hidden.dtype)
-        attn, _ = layer.self_attn(hidden_states=h, position_embeddings=b.cos_sin, attention_mask=mask, cache=self.cache)
-        b.hidden.add_(attn)
-        normed = layer.post_attention_layernorm(b.hidden)
-        if i not in self.moe:  # a dense layer: its MLP is part of the same fixed-shape piece
-            b.hidden.add_(layer.mlp(normed))
+        """Norm, attention (writing this position's K/V), residual, norm, and for a MoE layer its router; for a
+        dense layer its MLP too."""
+        layer = self.lm.layers[i]
+        h = layer.input_layernorm(self.hidden)
+        mask = self.cache.mask(i, self.hidden.dtype)
+        attn, _ = layer.self_attn(
+            hidden_states=h, position_embeddings=self.cos_sin, attention_mask=mask, cache=self.cache
+        )
+        self.hidden.add_(attn)
+        normed = layer.post_attention_layernorm(self.hidden)
+        if i not in self.moe:
+            self.hidden.add_(layer.mlp(normed))
             return
-        b.normed.copy_(normed)
+        b = self.buffers[i]
+        self.normed.copy_(normed)
         _, weights, index = layer.mlp.gate(normed.view(-1, normed.shape[-1]))
-        b.top_k_index[i].copy_(index)
-        b.top_k_weights[i].copy_(weights)
-        b.host_index[i].copy_(index, non_blocking=True)
-        b.host_weights[i].copy_(weights, non_blocking=True)
+        b.router_index.copy_(index)
+        b.router_weights.copy_(weights)
+        b.host_index.copy_(index, non_blocking=True)
+        b.host_weights.copy_(weights, non_blocking=True)
 
     def _experts(self, i: int) -> None:
-        """The routed experts of this token from their slots, mixed by their weights, added to the residual."""
-        b = self.b
-        b.slots[i].copy_(b.host_slots[i], non_blocking=True)
-        b.weights[i].copy_(b.host_weights[i], non_blocking=True)
-        out = self.moe[i].pool_compute(b.normed.view(1, -1), b.slots[i], b.weights[i])
-        b.hidden.add_(out.view_as(b.hidden))
+        """The token's experts from their slots, mixed by their weights, added to the residual."""
+        b = self.buffers[i]
+        b.slots.copy_(b.host_slots, non_blocking=True)
+        b.mix.copy_(b.host_mix, non_blocking=True)
+        out = self.moe[i].pool_compute(self.normed.view(1, -1), b.slots, b.mix)
+        self.hidden.add_(out.view_as(self.hidden))
 
     def _tail(self) -> None:
-        b = self.b
-        b.logits.copy_(self.engine.model.lm_head(self.lm.norm(b.hidden))[0, -1])
+        self.logits.copy_(self.engine.model.lm_head(self.lm.norm(self.hidden))[0, -1])
         self.cache.advance()
 
     # ---- running them -----------------------------------------------------------------------------------------
-    def _run(self, name: str, fn: Any, *args: Any) -> None:
+    def _run(self, name: str, fn: Callable[..., None], *args: Any) -> None:
         if not self.graphs:
             fn(*args)
             return
-        graph = self._captured.get(name)
+        graph = self._graphs.get(name)
         if graph is None:
-            graph = self._capture(fn, *args)
-            self._captured[name] = graph
+            graph = self._graphs[name] = self._capture(fn, *args)
         graph.replay()
 
-    def _capture(self, fn: Any, *args: Any) -> torch.cuda.CUDAGraph:
-        # A capture must not change state: warm up (allocator, cuBLAS handles) on the K/V-free copy of the state,
-        # then undo what the warm-up wrote. Every piece only overwrites its buffers, except the cache's lengths.
-        lengths = self.cache.lengths.clone()
+    def _capture(self, fn: Callable[..., None], *args: Any) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream (allocator, library handles), undo what the warm-up wrote, then capture. A
+        capture records kernels without running them: the caller replays the graph once to run it."""
+        state = [self.hidden, self.normed, self.cache.lengths]
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             fn(*args)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.cache.lengths.copy_(lengths)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        for t, old in zip(state, saved, strict=True):
+            t.copy_(old)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.graph_pool):
             fn(*args)
-        self.cache.lengths.copy_(lengths)  # capturing records the kernels; it must not count as a step
         return graph
 
     @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor:
-        """One token through every layer; returns the next-token logits [vocab] (a buffer reused by the next step)."""
+        """One token through every layer; returns the next-token logits [vocab] (a buffer the next step reuses)."""
         self.host_token.fill_(token)
         self.host_position.fill_(position)
         self._run("embed", self._embed)
@@ -228,22 +232,12 @@ class StaticDecoder:
             if self.routed is not None:
                 self.routed.record()
                 self.routed.synchronize()  # the host decides what to fetch from this layer's routing
-            b = self.b
-            slots = experts.prepare_pool_step(b.normed.view(1, -1), b.host_index[i], b.host_weights[i])
-            b.host_slots[i].copy_(slots)
+            b = self.buffers[i]
+            slots, mix = experts.prepare_pool_step(self.normed.view(1, -1), b.host_index, b.host_weights)
+            b.host_slots.copy_(slots)
+            b.host_mix.copy_(mix)
             self._run(f"experts.{i}", self._experts, i)
             experts.finish_pool_step()
         self._run("tail", self._tail)
-        return self.b.logits
-
-
-def prefill_cache_length(cache: DynamicCache) -> int:
-    return max(layer.keys.shape[2] for layer in cache.layers)
-
-
-def new_decoder(engine: Any, cache: DynamicCache, max_new_tokens: int, *, graphs: bool) -> StaticDecoder:
-    return StaticDecoder(engine, cache, capacity_for(prefill_cache_length(cache) + max_new_tokens + 1), graphs=graphs)
-
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+        self.host_length += 1
+        return self.logits

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
+from vismmoe_edge.experts.pool_compute import decode_experts, grouped_mm_works, prefill_experts
 from vismmoe_edge.experts.store import ExpertWeights
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
@@ -44,8 +45,9 @@ class ExpertRuntime:
 class OffloadedExperts(nn.Module):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], as transformers' experts.
 
-    Resident experts are computed first, then the missing ones as they arrive, so compute stalls only on
-    the one expert it needs next.
+    With a slot pool (the host or GPU slot tiers) the layer's experts are one batched computation from their
+    slots, waiting (on the GPU: through each slot's event) only for the missing ones; on the page-cache tiers
+    resident experts are computed first, then the missing ones as they arrive.
     """
 
     def __init__(self, layer: int, runtime: ExpertRuntime, act_fn: Callable[[torch.Tensor], torch.Tensor]):
@@ -53,76 +55,112 @@ class OffloadedExperts(nn.Module):
         self.layer = layer
         self.runtime = runtime
         self.act_fn = act_fn
+        self._order: list[int] = []  # the experts acquired by prepare_pool_step, finished by finish_pool_step
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        rt, pipeline = self.runtime, self.runtime.pipeline
+        rt = self.runtime
         if rt.replay is not None:
             top_k_index, top_k_weights = rt.replay.route(self.layer, hidden_states.shape[0])
             top_k_index = top_k_index.to(hidden_states.device)
             top_k_weights = top_k_weights.to(hidden_states.device, hidden_states.dtype)
-        for hook in rt.route_hooks:
-            hook(self.layer, hidden_states, top_k_index, top_k_weights)
         index_cpu = top_k_index.cpu()  # one sync per layer: the routing decides what to fetch anyway
+        order = self.route(hidden_states, top_k_index, top_k_weights, index_cpu)
+        pipeline = rt.pipeline
+        start = time.perf_counter()
+        stalled_before = pipeline.layer_log[-1].stall_s
+        pool = getattr(pipeline.tier, "pool", None)
+        if pool is not None:
+            slot_of = self._acquire_slots(order)
+            slots = torch.tensor([[slot_of[int(e)] for e in row] for row in index_cpu.tolist()], device=pool.device)
+            out = self.pool_compute(hidden_states, slots, top_k_weights)
+            self._finish(order)
+        else:
+            out = self._loop_compute(hidden_states, index_cpu, top_k_weights, order)
+        stalled = pipeline.layer_log[-1].stall_s - stalled_before
+        pipeline.record_compute(time.perf_counter() - start - stalled)
+        return out
+
+    def route(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, index_cpu: torch.Tensor
+    ) -> list[int]:
+        """Observers see the routing, the pipeline marks the experts Required and queues the missing ones, the
+        predictor queues later layers' experts; returns the order to take the experts in."""
+        rt, pipeline = self.runtime, self.runtime.pipeline
+        for hook in rt.route_hooks:
+            hook(self.layer, hidden, top_k_index, top_k_weights)
         experts, counts = torch.unique(index_cpu, return_counts=True)
         order = pipeline.begin_layer(self.layer, experts.tolist(), (counts / index_cpu.shape[0]).tolist())
         if rt.predictor is not None:
             start = time.perf_counter()
-            pipeline.prefetch(rt.predictor.predict(self.layer, hidden_states, top_k_index), current_layer=self.layer)
+            pipeline.prefetch(rt.predictor.predict(self.layer, hidden, top_k_index), current_layer=self.layer)
             rt.predict_seconds += time.perf_counter() - start
+        return order
 
-        start = time.perf_counter()
-        stalled_before = pipeline.layer_log[-1].stall_s
+    # ---- the slot-pool path (one batched call per layer) ----------------------------------------------------
+    def pool_compute(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], slots [T, k] (on the pool's device), weights [T, k] -> [T, H]. Device ops only when T == 1,
+        so a CUDA graph can replay it."""
+        pool = self.runtime.pipeline.tier.pool
+        if x.shape[0] == 1:
+            return decode_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn)
+        grouped = grouped_mm_works(pool.gate_up.dtype, pool.gate_up.device)
+        return prefill_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn, grouped=grouped)
+
+    def prepare_pool_step(
+        self, hidden: torch.Tensor, router_index: torch.Tensor, router_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph path's routing, for one token: `router_index` / `router_weights` [1, k] are the router's
+        choice in host memory. Returns the slot and weight of each expert the token uses [1, r] (r = k, or the
+        trace's top-k under replay), on the host."""
+        rt = self.runtime
+        index, weights = router_index.clone(), router_weights.clone()  # observers may keep them
+        if rt.replay is not None:
+            index, weights = rt.replay.route(self.layer, 1)
+        self._order = self.route(hidden, index, weights, index)
+        slot_of = self._acquire_slots(self._order)
+        return torch.tensor([[slot_of[int(e)] for e in index[0].tolist()]]), weights.float()
+
+    def finish_pool_step(self) -> None:
+        self._finish(self._order)
+        self._order = []
+
+    def _acquire_slots(self, order: list[int]) -> dict[int, int]:
+        """Wait for each expert to be fetched (on the GPU: the copy's event, queued on the compute stream)."""
+        pipeline = self.runtime.pipeline
+        slot_of: dict[int, int] = {}
+        for expert in order:
+            pipeline.acquire(self.layer, expert)
+            slot = pipeline.slot_of(self.layer, expert)
+            assert slot is not None, "a slot-pool tier keeps every resident expert in the pool"
+            slot_of[expert] = slot
+        return slot_of
+
+    def _finish(self, order: list[int]) -> None:
+        for expert in order:
+            self.runtime.pipeline.finish(self.layer, expert)
+
+    # ---- the page-cache path ---------------------------------------------------------------------------------
+    def _loop_compute(
+        self, hidden_states: torch.Tensor, index_cpu: torch.Tensor, top_k_weights: torch.Tensor, order: list[int]
+    ) -> torch.Tensor:
+        pipeline = self.runtime.pipeline
         out = torch.zeros_like(hidden_states)
-        pool = getattr(pipeline.tier, "pool", None)
-        if hidden_states.shape[0] == 1 and pool is not None and self._all_ready(order):
-            out = self._decode_from_pool(hidden_states, index_cpu[0], top_k_weights, order, pool)
-        elif hidden_states.shape[0] == 1:  # decode: one token, each routed expert once; no index juggling
+        if hidden_states.shape[0] == 1:  # decode: one token, each routed expert once; no index juggling
             slot_of = {int(e): j for j, e in enumerate(index_cpu[0])}
             for expert in order:
                 weights = pipeline.acquire(self.layer, expert)
                 out += self._expert(hidden_states, weights) * top_k_weights[:, slot_of[expert], None]
                 pipeline.finish(self.layer, expert)
-        else:
-            by_slot = index_cpu.t()  # [k, T]: torch.where then yields (slot, token) pairs as transformers does
-            for expert in order:
-                slot, token = torch.where(by_slot == expert)
-                slot, token = slot.to(out.device), token.to(out.device)
-                weights = pipeline.acquire(self.layer, expert)
-                y = self._expert(hidden_states[token], weights) * top_k_weights[token, slot, None]
-                out.index_add_(0, token, y.to(out.dtype))
-                pipeline.finish(self.layer, expert)
-        stalled = pipeline.layer_log[-1].stall_s - stalled_before
-        pipeline.record_compute(time.perf_counter() - start - stalled)
-        return out
-
-    def _all_ready(self, order: list[int]) -> bool:
-        pipeline = self.runtime.pipeline
-        return all(pipeline.is_streamed_and_loaded(self.layer, e) for e in order)
-
-    def _decode_from_pool(
-        self, x: torch.Tensor, routed: torch.Tensor, top_k_weights: torch.Tensor, order: list[int], pool
-    ) -> torch.Tensor:
-        """All k experts of one token sit in GPU slots: gather them and run two batched GEMMs.
-
-        Eight small launches instead of five per expert; on a GPU the per-launch host cost is what limits
-        decode (a token's GEMMs move ~75 MB, microseconds of HBM time).
-        """
-        pipeline = self.runtime.pipeline
-        slots = []
+            return out
+        by_slot = index_cpu.t()  # [k, T]: torch.where then yields (slot, token) pairs as transformers does
         for expert in order:
-            pipeline.acquire(self.layer, expert)
-            slots.append(pipeline.slot_of(self.layer, expert))
-        index = torch.tensor(slots, device=x.device)
-        gate_up = pool.gate_up.index_select(0, index)  # [k, 2I, H]
-        down = pool.down.index_select(0, index)  # [k, H, I]
-        gate, up = torch.matmul(gate_up, x[0]).chunk(2, dim=-1)  # [k, I] each
-        y = torch.matmul(down, (self.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)  # [k, H]
-        position = {int(e): j for j, e in enumerate(routed)}
-        weights = top_k_weights[0, [position[e] for e in order]]  # [k]
-        out = (y * weights[:, None]).sum(0, keepdim=True).to(x.dtype)
-        for expert in order:
+            slot, token = torch.where(by_slot == expert)
+            slot, token = slot.to(out.device), token.to(out.device)
+            weights = pipeline.acquire(self.layer, expert)
+            y = self._expert(hidden_states[token], weights) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
             pipeline.finish(self.layer, expert)
         return out
 

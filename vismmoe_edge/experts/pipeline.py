@@ -181,10 +181,13 @@ class ExpertPipeline:
                     continue
                 entry = self._entries.get(key)
                 if entry is None:  # a demand miss: neither resident nor on its way
-                    self._entries[key] = Entry(key, State.REQUIRED, priority=REQUIRED_PRIORITY)
-                    self._enqueue(key, DEMAND, 0.0)
+                    entry = self._entries[key] = Entry(key, State.REQUIRED, priority=REQUIRED_PRIORITY)
                     self._misses.add(expert)
-                    waiting.append(expert)
+                    if self._fetch_inline(entry):
+                        ready.append(expert)
+                    else:
+                        self._enqueue(key, DEMAND, 0.0)
+                        waiting.append(expert)
                     continue
                 entry.priority = REQUIRED_PRIORITY
                 if entry.state is not State.LOADING:
@@ -231,8 +234,12 @@ class ExpertPipeline:
         return entry.weights
 
     def slot_of(self, layer: int, expert: int) -> int | None:
-        """The slot an acquired, streamed expert occupies (None for the pinned region)."""
-        entry = self._entries.get((layer, expert))
+        """The slot an acquired expert occupies: a cache slot, or the pinned prefix's slot where the tier keeps the
+        prefix in the same pool (None otherwise)."""
+        key = (layer, expert)
+        if key in self.pinned:
+            return getattr(self.tier, "pinned_slot", {}).get(key)
+        entry = self._entries.get(key)
         return None if entry is None else entry.slot
 
     def finish(self, layer: int, expert: int) -> None:
@@ -319,8 +326,10 @@ class ExpertPipeline:
                 job = self._next_job()
                 if job is None:
                     return
-                key, slot, cls = job
+                key, slot, cls, victim = job
             try:
+                if victim is not None:
+                    self.tier.release(victim, slot)
                 start = time.perf_counter()
                 weights = self.tier.fetch(key, slot)
                 elapsed = time.perf_counter() - start
@@ -351,7 +360,7 @@ class ExpertPipeline:
                 self._update_resident()
                 self._lock.notify_all()
 
-    def _next_job(self) -> tuple[ExpertKey, int, int] | None:
+    def _next_job(self) -> tuple[ExpertKey, int, int, ExpertKey | None] | None:
         """Pop the most urgent request that can get a slot; wait while none can. Called with the lock held."""
         while True:
             if self._closed:
@@ -361,8 +370,8 @@ class ExpertPipeline:
                 if self._queued.get(key) != cls:
                     heapq.heappop(self._queue)  # superseded (re-queued under another class, or dropped)
                     continue
-                slot = self._take_slot(for_demand=cls == DEMAND, priority=self._entries[key].priority)
-                if slot is None:
+                taken = self._take_slot(for_demand=cls == DEMAND, priority=self._entries[key].priority)
+                if taken is None:
                     if cls == SPECULATIVE:
                         self._drop_queued(key)  # nothing cheaper to evict: speculation yields
                         continue
@@ -372,13 +381,16 @@ class ExpertPipeline:
                 del self._queued[key]
                 self._entries[key].state = State.LOADING
                 self._loading += 1
-                return key, slot, cls
+                slot, victim = taken
+                return key, slot, cls, victim
             self._slot_waiters = bool(self._queue)
             self._lock.wait()
 
-    def _take_slot(self, *, for_demand: bool, priority: float) -> int | None:
+    def _take_slot(self, *, for_demand: bool, priority: float) -> tuple[int, ExpertKey | None] | None:
+        """A free slot, or the slot of an evicted entry and that entry's key (whose bytes the caller releases,
+        outside the lock: on the page cache that is madvise/fadvise work)."""
         if self._free_slots:
-            return self._free_slots.pop()
+            return self._free_slots.pop(), None
         victim = self._victim(for_demand=for_demand, priority=priority)
         if victim is None:
             return None
@@ -390,10 +402,9 @@ class ExpertPipeline:
             self.stats.wasted_speculative_bytes += self.tier.read_bytes(entry.key)
             if self.layer_log:
                 self.layer_log[-1].wasted_bytes += self.tier.read_bytes(entry.key)
-        self.tier.release(entry.key, entry.slot)
         self.stats.evictions += 1
         self._update_resident()
-        return entry.slot
+        return entry.slot, entry.key
 
     def _victim(self, *, for_demand: bool, priority: float) -> Entry | None:
         """Expired first, then Speculative; lowest priority first. Required and loading entries are never taken.
@@ -412,6 +423,30 @@ class ExpertPipeline:
         return None
 
     # ---- helpers (lock held) -----------------------------------------------------------------------
+    def _fetch_inline(self, entry: Entry) -> bool:
+        """A demand miss whose fetch only queues a DMA (the bytes are in pinned host memory) is fetched right
+        here, on the compute thread: no hand-off to an I/O thread, no interpreter between the bytes and the bus."""
+        inline = getattr(self.tier, "can_fetch_inline", None)  # tiers that never can (the page cache) need not say
+        if inline is None or not inline(entry.key):
+            return False
+        taken = self._take_slot(for_demand=True, priority=REQUIRED_PRIORITY)
+        if taken is None:
+            return False
+        slot, victim = taken
+        if victim is not None:
+            self.tier.release(victim, slot)
+        start = time.perf_counter()
+        entry.weights = self.tier.fetch(entry.key, slot)
+        entry.slot = slot
+        self._loaded_count += 1
+        nbytes = self.tier.read_bytes(entry.key)
+        self.stats.bytes_read += nbytes
+        self.layer_log[-1].bytes_read += nbytes
+        self.stats.fetch_seconds += time.perf_counter() - start
+        entry.loaded.set()
+        self._update_resident()
+        return True
+
     def _enqueue(self, key: ExpertKey, cls: int, order: float) -> None:
         self._queued[key] = cls
         heapq.heappush(self._queue, (cls, order, next(self._seq), key))

@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
+from vismmoe_edge.experts.host_tier import HostMirror
 from vismmoe_edge.experts.pipeline import ExpertPipeline, Tier
 from vismmoe_edge.experts.slots import SlotPoolTier
 from vismmoe_edge.experts.store import ExpertStore
@@ -23,10 +24,14 @@ def build_runtime(
     budget_bytes: int,
     pinned_layers: list[int],
     tier: str = "auto",
-    policy: str = "lru",
+    policy: str = "popularity",
     speculative_experts: int = 2 * 8,
+    host_tier: bool = False,
 ) -> ExpertRuntime:
-    """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots."""
+    """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots.
+
+    `host_tier` (CUDA slot pools): mirror every streamed expert in pinned host memory, filled now, so that a miss
+    is one DMA; the planner asks for it where host RAM holds them all."""
     per_expert = store.expert_nbytes()
     num_experts = store.catalogue.num_experts
     pinned_bytes = len(pinned_layers) * num_experts * per_expert
@@ -44,11 +49,15 @@ def build_runtime(
             f"the memory budget leaves {format_bytes(budget_bytes - pinned_bytes)} for streamed experts, less than "
             f"one expert ({format_bytes(per_expert)}); raise --memory-budget or lower --pinned-layers"
         )
-    tier_impl = make_tier(tier, store, max(slots, 1))
     keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
+    mirror = None
+    if host_tier and store.device.type == "cuda" and tier in ("auto", "gpu"):
+        mirror = HostMirror(store.catalogue, [(layer, e) for layer in streamed for e in range(num_experts)])
+        mirror.fill()
+    tier_impl = make_tier(tier, store, max(slots, 1), pinned=len(keys), mirror=mirror)
     lock_report = None
     pin = getattr(tier_impl, "pin", None)
-    if pin is not None:  # unified memory: the prefix stays in the page cache, mlocked where the limit allows
+    if pin is not None:  # the slot pool's own slots; unified memory: the page cache, mlocked where allowed
         pinned, lock_report = pin(keys)
     else:
         pinned = {
@@ -69,7 +78,9 @@ def build_runtime(
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
 
 
-def make_tier(name: str, store: ExpertStore, slots: int) -> Tier:
+def make_tier(
+    name: str, store: ExpertStore, slots: int, *, pinned: int = 0, mirror: HostMirror | None = None
+) -> Tier:
     if name not in TIERS:
         raise VismmoeError(f"--tier {name!r}: use one of {', '.join(TIERS)}")
     on_gpu = store.device.type == "cuda"
@@ -81,7 +92,7 @@ def make_tier(name: str, store: ExpertStore, slots: int) -> Tier:
         from vismmoe_edge.experts.unified import MmapTier, UnifiedTier
 
         return UnifiedTier(store, slots) if name == "unified" else MmapTier(store, slots)
-    return SlotPoolTier(store, slots, store.device, store.dtype)
+    return SlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
 
 
 def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None) -> None:
