@@ -10,13 +10,14 @@ Weights are cold in the CPU caches, as when compute reads an expert from the pag
 of enough copies to exceed --cold-mb (default 96 MB, 3x this VM's 32 MB L3). One thread by default: on a shared
 2-core VM two threads measure the neighbours more than the kernels.
 
-    python tools/bench_quant_cpu.py --out docs/results/quant-cpu-bench.json
+    python tools/bench_quant_cpu.py --out docs/results/quant-cpu-bench.json   # ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -112,17 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cold-mb", type=int, default=96, help="bytes of copies per operand (0: cache-hot)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--rounds", type=int, default=3, help="whole sweeps; the median over rounds is reported")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     layout = native_cpu_layout()
-    results = {}
-    for name, (n, k, group) in SHAPES.items():
-        for batch in args.batches:
-            key = f"{name} {n}x{k} T={batch}"
-            results[key] = bench_shape(n, k, group, batch, args.repeats, layout, args.cold_mb << 20)
-            print(key)
-            for what, ms in results[key].items():
-                print(f"  {what:40s} {ms:9.3f} ms")
+    rounds: list[dict[str, dict[str, float]]] = []
+    for _ in range(args.rounds):  # whole sweeps, so that a noisy neighbour hits every variant alike
+        rounds.append({})
+        for name, (n, k, group) in SHAPES.items():
+            for batch in args.batches:
+                key = f"{name} {n}x{k} T={batch}"
+                rounds[-1][key] = bench_shape(n, k, group, batch, args.repeats, layout, args.cold_mb << 20)
+    results = {
+        key: {what: statistics.median(r[key][what] for r in rounds) for what in rounds[0][key]} for key in rounds[0]
+    }
+    for key, row in results.items():
+        print(key)
+        for what, ms in row.items():
+            print(f"  {what:40s} {ms:9.3f} ms")
     summary = {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "machine": platform.machine(),
         "repeats": args.repeats,
+        "rounds": args.rounds,
+        "load_average": list(os.getloadavg()),
         "cold_mb": args.cold_mb,
         "median_ms": results,
     }
