@@ -311,3 +311,13 @@ def test_shards_respect_the_size_limit(qwen: dict[str, Path], tmp_path: Path) ->
         data = sum(t.nbytes for t in table.values() if t.shard == shard)
         biggest = max(t.nbytes for t in table.values() if t.shard == shard)
         assert data <= max(250_000, biggest, record)
+
+
+def test_command_line(qwen: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vismmoe_edge.quant.__main__ import main
+
+    assert main([str(qwen["v5"]), str(tmp_path / "q"), "--bits", "8", "--no-progress"]) == 0
+    assert "int8, group per-channel" in capsys.readouterr().out
+    assert main([str(qwen["v5"]), str(tmp_path / "q"), "--bits", "4", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
