@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 INDEX = "model.safetensors.index.json"
 # Linear weights quantized by all three formats: routed experts and attention projections (as real releases do).
 QUANTIZED = re.compile(r"(\.mlp\.experts\.\d+\.(gate|up|down)_proj|\.self_attn\.(q|k|v|o)_proj)\.weight$")
+FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")  # [E, a, b]: FP8 keeps one block grid per expert
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ WQLinear_GEMM.from_linear order_map
 
 
@@ -76,6 +77,10 @@ def write_fp8(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     reference: dict[str, torch.Tensor] = {}
 
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if FUSED.search(name):  # transformers' naming for a tensor not ending in .weight: name + "_scale_inv"
+            pairs = [fp8_quantize(x) for x in t]
+            reference[name] = torch.stack([fp8_reference_dequant(q, s) for q, s in pairs])
+            return {name: torch.stack([q for q, _ in pairs]), name + "_scale_inv": torch.stack([s for _, s in pairs])}
         if not QUANTIZED.search(name):
             return {name: t}
         q, s = fp8_quantize(t)

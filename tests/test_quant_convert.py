@@ -154,6 +154,18 @@ def _reference_experts(reference: dict[str, torch.Tensor]):
     return experts
 
 
+def test_fp8_source_with_fused_experts(qwen: dict[str, Path], tmp_path: Path) -> None:
+    reference = write_fp8(qwen["v5"], tmp_path / "fp8")
+    out = quantize_checkpoint(tmp_path / "fp8", tmp_path / "q", 4, progress=False)
+
+    def experts(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = f"model.language_model.layers.{layer}.mlp.experts."
+        return reference[prefix + "gate_up_proj"][e], reference[prefix + "down_proj"][e]
+
+    dst = check_output(qwen["v5"], out, 4, 128, experts)
+    assert_kept_identical(qwen["v5"], dst, skip=lambda n: n in reference)
+
+
 def test_fp8_source(per_expert_src: Path, tmp_path: Path) -> None:
     reference = write_fp8(per_expert_src, tmp_path / "fp8")
     out = quantize_checkpoint(tmp_path / "fp8", tmp_path / "q", 4, progress=False)
