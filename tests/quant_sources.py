@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -23,6 +24,16 @@ INDEX = "model.safetensors.index.json"
 QUANTIZED = re.compile(r"(\.mlp\.experts\.\d+\.(gate|up|down)_proj|\.self_attn\.(q|k|v|o)_proj)\.weight$")
 FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")  # [E, a, b]: FP8 keeps one block grid per expert
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ WQLinear_GEMM.from_linear order_map
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensor ops on this shared 2-core VM: two OpenMP threads spin against the neighbours (a tiny conversion
+    measured 1.5-7.7 s with 2 threads, 0.05-0.09 s with 1). Restored afterwards for the rest of the suite."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _rewrite(src: Path, dst: Path, convert, quantization_config: dict) -> None:
@@ -132,12 +143,11 @@ def ct_quantize(w: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch
 
 
 def ct_reference_dequant(q: np.ndarray, scale: torch.Tensor, zp: np.ndarray, group: int) -> torch.Tensor:
-    out, cols = q.shape
-    w = torch.empty(out, cols)
-    s = scale.float()
-    for c in range(cols):
-        w[:, c] = (torch.from_numpy(q[:, c] - zp[:, c // group]).float()) * s[:, c // group]
-    return w
+    """w[:, c] = (q[:, c] - zp[:, c // g]) * scale[:, c // g] (quantization/lifecycle/forward.py dequantize)."""
+    cols = q.shape[1]
+    s = np.repeat(scale.float().numpy(), group, axis=1)[:, :cols]
+    z = np.repeat(zp, group, axis=1)[:, :cols]
+    return torch.from_numpy(((q - z) * s).astype(np.float32))
 
 
 def write_compressed_tensors(
@@ -196,9 +206,8 @@ def awq_pack(intweight: np.ndarray) -> np.ndarray:
     rows, cols = intweight.shape
     packed = np.zeros((rows, cols // 8), dtype=np.uint32)
     v = intweight.astype(np.uint32)
-    for col in range(cols // 8):
-        for i in range(8):
-            packed[:, col] |= v[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    for i in range(8):  # from_linear's `for col: for i: qweight[:, col] |= intweight[:, col*8 + order_map[i]] << 4i`
+        packed |= v[:, AWQ_ORDER[i] :: 8] << (i * 4)
     return packed.view(np.int32)
 
 
@@ -217,11 +226,9 @@ def write_awq(src: Path, dst: Path, group: int = 128) -> dict[str, torch.Tensor]
         zeros = torch.round(-lo / scales.float()).clamp(0, 15)
         iw = (torch.round(g / scales.float()[:, None]) + zeros[:, None]).clamp(0, 15).view(cols_in, out)
         iw_np, z_np = iw.numpy().astype(np.int64), zeros.numpy().astype(np.int64)
-        ref = np.zeros((cols_in, out), dtype=np.float32)
-        s_np = scales.float().numpy()
-        for k in range(cols_in):
-            ref[k] = (iw_np[k] - z_np[k // group]) * s_np[k // group]
-        reference[name] = torch.from_numpy(ref).t().contiguous()
+        # dequantize_gemm: (iweight - izeros.repeat_interleave(g)) * scales.repeat_interleave(g), [in, out]
+        ref = (iw_np - np.repeat(z_np, group, axis=0)) * np.repeat(scales.float().numpy(), group, axis=0)
+        reference[name] = torch.from_numpy(ref.astype(np.float32)).t().contiguous()
         return {
             base + ".qweight": torch.from_numpy(awq_pack(iw_np)),
             base + ".qzeros": torch.from_numpy(awq_pack(z_np)),

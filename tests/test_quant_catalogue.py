@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.checkpoint import read_tensor_table
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant.catalogue import quantized_expert_ranges, read_quantized_catalogue

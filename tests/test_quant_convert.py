@@ -16,7 +16,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.quant_sources import write_awq, write_compressed_tensors, write_fp8
+from tests.quant_sources import (
+    one_thread,  # noqa: F401 - autouse: one torch thread in this module
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+)
 from vismmoe_edge.checkpoint import read_tensor_table
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.store import ShardFiles
@@ -304,7 +309,9 @@ convert.quantize_checkpoint({str(qwen["v5"])!r}, {str(tmp_path / "out")!r}, 4, p
 """
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-c", script], env={"PYTHONPATH": str(root), "PATH": ""}, capture_output=True
+        [sys.executable, "-c", script],
+        env={"PYTHONPATH": str(root), "PATH": "", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
     )
     assert done.returncode == -9, done.stderr[-500:]
     assert not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ from tests.quant_sources import (
     ct_reference_dequant,
     fp8_quantize,
     fp8_reference_dequant,
+    one_thread,  # noqa: F401 - autouse: one torch thread in this module
 )
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant.formats import awq, compressed_tensors, fp8

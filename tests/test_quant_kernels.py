@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant.config import make_config
 from vismmoe_edge.quant.kernels import (

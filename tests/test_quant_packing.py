@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.quant.packing import (
     CPU_LAYOUTS,
     ROWMAJOR,
@@ -67,7 +68,7 @@ print(layout)
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 host to try all")
 def test_other_x86_builds_pack_as_documented() -> None:
     """ATEN_CPU_CAPABILITY picks torch's AVX2 and scalar kernels on this host: each matches its layout."""
-    env = os.environ | {"PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "avx2"}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
     found = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "cpu_b32_split"
     env["ATEN_CPU_CAPABILITY"] = "default"
