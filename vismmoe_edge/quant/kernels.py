@@ -129,6 +129,7 @@ def dequantize_expert(expert: QuantizedExpert, dtype: torch.dtype = torch.float3
 
 
 _warned: set[str] = set()
+_int8_cuda_kernel = [True]  # cleared the first time the CUDA int8 kernel is missing
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -157,8 +158,13 @@ def linear(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
                                "repacking every call; re-run vismmoe-edge quantize on this machine")  # fmt: skip
                     w = _to_native_tiles(m, native).qweight
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, w, m.group_size, m.scales.to(x.dtype))
-    if m.bits == 8 and x.device.type == "cuda":
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), m.qweight, m.scales.to(x.dtype))
+    if m.bits == 8 and x.device.type == "cuda" and _int8_cuda_kernel[0]:
+        try:
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), m.qweight, m.scales.to(x.dtype))
+        except (RuntimeError, NotImplementedError) as e:  # not in every build / dtype: dequantize from now on
+            _int8_cuda_kernel[0] = False
+            _warn_once("int8-cuda", f"_weight_int8pack_mm failed on CUDA ({str(e).splitlines()[0][:100]}); "
+                       "int8 experts dequantize + F.linear instead")  # fmt: skip
     return F.linear(x, dequantize_matrix(m, x.dtype))
 
 
