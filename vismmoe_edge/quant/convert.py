@@ -57,10 +57,10 @@ class Unit:
 
 
 def resolve_layout(bits: int, layout: str) -> str:
-    """ "auto": this CPU's int4 kernel tiles (so the unified tier reads them in place), else row-major nibbles."""
-    if bits == 8 or layout != "auto":
-        return ROWMAJOR if bits == 8 and layout == "auto" else layout
-    return native_cpu_layout() or ROWMAJOR
+    """ "auto": for int4 this CPU's kernel tiles (the unified tier reads them in place), else row-major."""
+    if layout != "auto":
+        return layout
+    return ROWMAJOR if bits == 8 else (native_cpu_layout() or ROWMAJOR)
 
 
 def _check_out(out: Path) -> None:
@@ -78,47 +78,52 @@ def _logical_table(source: SourceCheckpoint) -> dict[str, TensorInfo]:
     return table
 
 
-def _expert_readers(
-    source: SourceCheckpoint, names: set[str], layout: str, spec: ExpertSpec
-) -> dict[tuple[int, int], tuple[str, Producer]]:
-    """(layer, expert) -> (output name prefix, function returning the record's tensors)."""
-    out: dict[tuple[int, int], tuple[str, Producer]] = {}
-    if layout in ("v5", "hub"):
-        fused: dict[int, dict[str, str]] = {}
-        prefixes: dict[int, str] = {}
-        for n in names:
-            m = FUSED_EXPERT_KEY.match(n)
-            fused.setdefault(int(m["layer"]), {})[m["kind"]] = n
-            prefixes[int(m["layer"])] = m["prefix"]
-        for layer, kinds in fused.items():
-            for e in range(source.logical[kinds["gate_up_proj"]].shape[0]):
+Readers = dict[tuple[int, int], tuple[str, Producer]]  # (layer, expert) -> (output name prefix, record maker)
 
-                def make(gu=kinds["gate_up_proj"], dn=kinds["down_proj"], e=e) -> list[torch.Tensor]:
-                    gate_up, down = source.read(gu, e), source.read(dn, e)
-                    if layout == "hub":  # [H, 2I] / [I, H] on disk: the transpose of nn.Linear's weight
-                        gate_up, down = gate_up.t(), down.t()
-                    return encode_expert(spec, gate_up.to(torch.float32), down.to(torch.float32))
 
-                out[(layer, e)] = (f"{prefixes[layer]}.{e}", make)
-        return out
-    per: dict[tuple[int, int], str] = {}
+def _fused_readers(source: SourceCheckpoint, names: set[str], hub: bool, spec: ExpertSpec) -> Readers:
+    """Qwen3-VL-MoE's fused [E, 2I, H] / [E, H, I] tensors (or the hub layout's transposes), one slice per expert."""
+    layers: dict[int, dict[str, str]] = {}
+    prefixes: dict[int, str] = {}
+    for n in names:
+        m = FUSED_EXPERT_KEY.match(n)
+        layers.setdefault(int(m["layer"]), {})[m["kind"]] = n
+        prefixes[int(m["layer"])] = m["prefix"]
+    out: Readers = {}
+    for layer, kinds in layers.items():
+        gu, dn = kinds["gate_up_proj"], kinds["down_proj"]
+        for e in range(source.logical[gu].shape[0]):
+
+            def make(e: int = e, gu: str = gu, dn: str = dn) -> list[torch.Tensor]:
+                gate_up, down = source.read(gu, e).to(torch.float32), source.read(dn, e).to(torch.float32)
+                if hub:  # [H, 2I] / [I, H] on disk: the transposes of nn.Linear's weights
+                    gate_up, down = gate_up.t(), down.t()
+                return encode_expert(spec, gate_up, down)
+
+            out[(layer, e)] = (f"{prefixes[layer]}.{e}", make)
+    return out
+
+
+def _per_expert_readers(source: SourceCheckpoint, names: set[str], spec: ExpertSpec) -> Readers:
+    """experts.{j}.{gate,up,down}_proj.weight; int4 sources (AWQ, W4A16) of the same group keep their own codes."""
+    bases = {}
     for n in names:
         m = PER_EXPERT_KEY.match(n)
-        per[(int(m["layer"]), int(m["expert"]))] = m["prefix"]
-    for (layer, e), prefix in per.items():
+        bases[(int(m["layer"]), int(m["expert"]))] = f"{m['prefix']}.{m['expert']}"
+    out: Readers = {}
+    for key, base in bases.items():
 
-        def make(base=f"{prefix}.{e}") -> list[torch.Tensor]:
-            names3 = [f"{base}.{k}_proj.weight" for k in ("gate", "up", "down")]
+        def make(base: str = base) -> list[torch.Tensor]:
+            gate, up, down = (f"{base}.{k}_proj.weight" for k in ("gate", "up", "down"))
             if spec.quant.bits == 4:
-                groups = [source.int4(n) for n in names3]
-                if all(g is not None and g.group_size == spec.quant.group_size for g in groups):
-                    # the source's own int4 codes: no second rounding, only scales/zeros rounded to bf16
-                    gate, up, down = groups  # type: ignore[misc]
-                    return encode_expert(spec, cat_rows([gate, up]), down)  # type: ignore[list-item,arg-type]
-            gate, up, down = (source.read(n).to(torch.float32) for n in names3)
-            return encode_expert(spec, torch.cat([gate, up]), down)
+                q = [source.int4(n) for n in (gate, up, down)]
+                if all(g is not None and g.group_size == spec.quant.group_size for g in q):
+                    # transcoding: the codes stay, only scales and float zeros are rounded to bf16
+                    return encode_expert(spec, cat_rows([q[0], q[1]]), q[2])  # type: ignore[list-item,arg-type]
+            w = [source.read(n).to(torch.float32) for n in (gate, up, down)]
+            return encode_expert(spec, torch.cat(w[:2]), w[2])
 
-        out[(layer, e)] = (f"{prefix}.{e}", make)
+        out[key] = (base, make)
     return out
 
 
@@ -210,7 +215,10 @@ def quantize_checkpoint(
         spec.check_geometry()
 
         units = [_plain_unit(source, n) for n in sorted(source.logical) if n not in catalogue.tensor_names]
-        readers = _expert_readers(source, catalogue.tensor_names, catalogue.layout, spec)
+        if catalogue.layout == "per_expert":
+            readers = _per_expert_readers(source, catalogue.tensor_names, spec)
+        else:
+            readers = _fused_readers(source, catalogue.tensor_names, catalogue.layout == "hub", spec)
         for _, (prefix, make) in sorted(readers.items()):
             entries = [Entry(f"{prefix}.{f.name}", f.dtype, f.shape) for f in spec.fields]
             units.append(Unit(entries, make))
