@@ -180,6 +180,45 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_json(path: Path, obj: object) -> None:
+    with path.open("w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _plan(source: SourceCheckpoint, bits: int, group_size: int | None, layout: str) -> tuple[ExpertSpec, list[Unit]]:
+    """The quantization spec, checked against the model's geometry, and every output unit in file order."""
+    family = model_family(source.directory)
+    config = family.read_config(source.directory)
+    catalogue = family.catalogue_for(config, family.select_tensors(config, _logical_table(source)))
+    hidden, inter = _geometry(catalogue)
+    origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
+    spec = ExpertSpec(make_config(bits, group_size, layout, origin), hidden, inter)
+    spec.check_geometry()
+    units = [_plain_unit(source, n) for n in sorted(source.logical) if n not in catalogue.tensor_names]
+    if catalogue.layout == "per_expert":
+        readers = _per_expert_readers(source, catalogue.tensor_names, spec)
+    else:
+        readers = _fused_readers(source, catalogue.tensor_names, catalogue.layout == "hub", spec)
+    for _, (prefix, make) in sorted(readers.items()):
+        units.append(Unit([Entry(f"{prefix}.{f.name}", f.dtype, f.shape) for f in spec.fields], make))
+    units.sort(key=lambda u: u.sort_key)  # layer by layer, as the source is laid out
+    return spec, units
+
+
+def _write(tmp: Path, units: list[Unit], max_shard_bytes: int, progress: bool) -> None:
+    """Shards and index into `tmp`, one unit in memory at a time."""
+    shards = [[units[i] for i in group] for group in plan_shards([u.nbytes for u in units], max_shard_bytes)]
+    total = sum(u.nbytes for u in units)
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="quantizing", disable=not progress) as bar:
+        for name, shard in zip(_shard_names(len(shards)), shards, strict=True):
+            _write_shard(tmp / name, shard, bar)
+            weight_map.update(dict.fromkeys((e.name for u in shard for e in u.entries), name))
+    _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+
+
 def quantize_checkpoint(
     src: Path,
     out: Path,
@@ -200,48 +239,22 @@ def quantize_checkpoint(
     _check_out(out)
     if bits == 4 and group_size is None:
         group_size = DEFAULT_INT4_GROUP
-    qc = make_config(bits, group_size, resolve_layout(bits, layout))
+    layout = resolve_layout(bits, layout)
+    make_config(bits, group_size, layout)  # argument errors before any reading
+    max_shard_bytes = parse_size(max_shard_size)
     source = SourceCheckpoint(src)
     tmp: Path | None = None
     try:
-        family = model_family(src)
-        config = family.read_config(src)
-        table = _logical_table(source)
-        catalogue = family.catalogue_for(config, family.select_tensors(config, table))
-        hidden, inter = _geometry(catalogue)
-        origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
-        qc = make_config(bits, group_size, qc.layout, origin)
-        spec = ExpertSpec(qc, hidden, inter)
-        spec.check_geometry()
-
-        units = [_plain_unit(source, n) for n in sorted(source.logical) if n not in catalogue.tensor_names]
-        if catalogue.layout == "per_expert":
-            readers = _per_expert_readers(source, catalogue.tensor_names, spec)
-        else:
-            readers = _fused_readers(source, catalogue.tensor_names, catalogue.layout == "hub", spec)
-        for _, (prefix, make) in sorted(readers.items()):
-            entries = [Entry(f"{prefix}.{f.name}", f.dtype, f.shape) for f in spec.fields]
-            units.append(Unit(entries, make))
-        units.sort(key=lambda u: u.sort_key)
-        groups = plan_shards([u.nbytes for u in units], parse_size(max_shard_size))
-        shards = [[units[i] for i in group] for group in groups]
-
+        spec, units = _plan(source, bits, group_size, layout)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        total = sum(u.nbytes for u in units)
-        weight_map: dict[str, str] = {}
-        desc = f"quantizing to {out.name}"
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
-            for name, shard in zip(_shard_names(len(shards)), shards, strict=True):
-                _write_shard(tmp / name, shard, bar)
-                weight_map.update(dict.fromkeys((e.name for u in shard for e in u.entries), name))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        _write(tmp, units, max_shard_bytes, progress)
         _copy_extra_files(src, tmp)
-        config_json = dict(source.config) | {"quantization_config": qc.to_dict()}
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")  # last: only now can it load
+        _write_json(tmp / "config.json", source.config | {"quantization_config": spec.quant.to_dict()})  # last
         _fsync_dir(tmp)
-        os.chmod(tmp, 0o755)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output should look like any other directory
         if out.exists():
             out.rmdir()  # checked empty above
         os.replace(tmp, out)
