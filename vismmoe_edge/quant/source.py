@@ -1,8 +1,8 @@
 """A source checkpoint seen as logical weights, whatever it was saved as: dense, FP8, compressed-tensors or AWQ.
 
 Each logical weight keeps its name (`x.weight` for quantized linears), its shape, and where its parts are;
-`read` dequantizes on demand from the mmapped shards, one tensor (or one expert's slice) at a time, so the
-converter never holds more than that in memory.
+`read` dequantizes on demand, reading one tensor (or one expert's slice) at a time with pread (reader.py), so
+the converter never holds more than that in memory.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, TensorInfo, read_tensor_table
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.quant.config import QUANT_METHOD
 from vismmoe_edge.quant.formats import awq, compressed_tensors, fp8
 from vismmoe_edge.quant.quantize import Int4Groups
+from vismmoe_edge.quant.reader import PreadFiles
 
 DEQUANTIZED_DTYPE = "BF16"  # what non-expert weights of a quantized source become
 METHODS = ("fp8", "compressed-tensors", "awq")
@@ -59,7 +59,7 @@ class SourceCheckpoint:
         self.method: str | None = None if qc is None else self._method(qc, str(path))
         self.quant_config: dict[str, Any] = qc or {}
         self.table = read_tensor_table(self.directory)
-        self.files = ShardFiles()
+        self.files = PreadFiles()
         self.logical: dict[str, Logical] = self._logical(str(path))
 
     @staticmethod
@@ -154,7 +154,7 @@ class SourceCheckpoint:
         if info is None:
             packed = parts["weight_packed"]
             return packed.shape[0], packed.shape[1] * 8  # no shape tensor: assume no padding
-        shape = tuple(int(v) for v in self.files.tensor(info).tolist())
+        shape = tuple(int(v) for v in self.files.read(info).tolist())
         if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
             raise VismmoeError(f"{info.shard}: {info.name} = {list(shape)} is not a 2-D shape (broken checkpoint)")
         return shape  # type: ignore[return-value]
@@ -162,12 +162,11 @@ class SourceCheckpoint:
     # --- reading ---------------------------------------------------------------------------------------------
 
     def _part(self, info: TensorInfo, index: int | None) -> torch.Tensor:
-        t = self.files.tensor(info)
-        return t if index is None else t[index]
+        return self.files.read(info, index)
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The weight (or slice `index` of a fused [E, ...] weight): a zero-copy view in the source dtype when it
-        is stored dense, else dequantized to float32."""
+        """The weight (or slice `index` of a fused [E, ...] weight): in the source dtype when it is stored dense,
+        else dequantized to float32."""
         lt = self.logical[name]
         if lt.kind == "raw":
             return self._part(lt.parts[""], index)
@@ -176,7 +175,7 @@ class SourceCheckpoint:
                                   self.fp8_block)  # fmt: skip
         if index is not None:
             raise ValueError(f"{name}: {lt.kind} weights are 2-D, they have no expert index")
-        parts = {s: self.files.tensor(i) for s, i in lt.parts.items()}
+        parts = {s: self.files.read(i) for s, i in lt.parts.items()}
         if lt.kind == "awq":
             return awq.dequantize(parts, lt.group_size, name)
         return compressed_tensors.dequantize(parts, lt.shape, lt.group_size, name)  # type: ignore[arg-type]
@@ -186,7 +185,7 @@ class SourceCheckpoint:
         lt = self.logical[name]
         if lt.kind not in ("awq", "compressed-tensors") or lt.shape[1] % lt.group_size:
             return None
-        parts = {s: self.files.tensor(i) for s, i in lt.parts.items()}
+        parts = {s: self.files.read(i) for s, i in lt.parts.items()}
         if lt.kind == "awq":
             return awq.int4_groups(parts, lt.group_size, name)
         return compressed_tensors.int4_groups(parts, lt.shape, lt.group_size, name)  # type: ignore[arg-type]
