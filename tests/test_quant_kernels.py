@@ -107,7 +107,7 @@ CASES = [  # bits, group, layout, hidden, inter
     (4, 128, NATIVE, 2048, 768),  # Qwen3-VL-30B-A3B experts, the CPU kernel in place
     (4, 32, NATIVE, 128, 96),
     (4, 16, NATIVE, 192, 48),  # the demo model's geometry: no kernel group fits, dequantize fallback
-    (4, 32, ROWMAJOR, 128, 96),  # CPU-neutral file: dequantize fallback
+    (4, 32, ROWMAJOR, 128, 96),  # CPU-neutral file: repacked per call (warned)
     (8, None, ROWMAJOR, 2048, 768),
     (8, None, ROWMAJOR, 192, 48),
 ]
@@ -120,7 +120,9 @@ def test_expert_forward_matches_dequantized_linear(bits, group, layout, hidden, 
     e = expert_views(record(spec, seed=hidden), spec)
     gate_up, down = dequantize_expert(e)
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
-    y = expert_forward(x, e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the row-major case warns that it repacks
+        y = expert_forward(x, e)
     assert y.dtype == dtype and y.shape == (5, hidden)
     assert rel_err(y, reference(x, gate_up, down)) < tol
     single = expert_forward(x[:1], e)  # decode: one token

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant.config import KERNEL_GROUP_SIZES
-from vismmoe_edge.quant.packing import CPU_LAYOUTS, cuda_kernel_input, native_cpu_layout, pack_cpu_tiles, unpack_int4
+from vismmoe_edge.quant.packing import cuda_kernel_input, native_cpu_layout, pack_cpu_tiles, unpack_int4
 from vismmoe_edge.quant.record import ExpertSpec
 
 CUDA_TINYGEMM = "cuda_tinygemm"  # the layout `_convert_weight_to_int4pack` produces (opaque, GPU only)
@@ -149,15 +149,17 @@ def linear(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
         xc = x.contiguous()
         if m.bits == 8:
             return torch.ops.aten._weight_int8pack_mm(xc, m.qweight, m.scales.to(x.dtype))
-        if _cpu_kernel_ok(m) and m.layout in CPU_LAYOUTS:
-            native = native_cpu_layout()
-            if native is not None:
-                w = m.qweight
-                if m.layout != native:  # correct but slow: the file was converted for another CPU
-                    _warn_once(m.layout, f"int4 experts in layout {m.layout}, this CPU computes {native}: "
-                               "repacking every call; re-run vismmoe-edge quantize on this machine")  # fmt: skip
-                    w = _to_native_tiles(m, native).qweight
-                return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, w, m.group_size, m.scales.to(x.dtype))
+        native = native_cpu_layout()
+        if _cpu_kernel_ok(m) and native is not None:
+            w = m.qweight
+            if m.layout != native:  # correct, and faster than dequantizing, but 19x the kernel: warn
+                _warn_once(
+                    m.layout,
+                    f"int4 experts in layout {m.layout}, this CPU computes {native}: repacking every call; "
+                    "prepare() once per fetch, or re-run quantize with --layout auto here",
+                )
+                w = _to_native_tiles(m, native).qweight
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, w, m.group_size, m.scales.to(x.dtype))
     if m.bits == 8 and x.device.type == "cuda" and _int8_cuda_kernel[0]:
         try:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), m.qweight, m.scales.to(x.dtype))
