@@ -1,0 +1,135 @@
+"""Where each quantized expert is: one (shard, offset, nbytes) range per (layer, expert), checked against config.
+
+The engine extends its ExpertCatalogue with these ranges: one pread (or one mmap view) per miss, then
+kernels.expert_views(buf, catalogue.spec) over the bytes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vismmoe_edge.checkpoint import FUSED_EXPERT_KEY, PER_EXPERT_KEY, TensorInfo, read_tensor_table
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.models.registry import model_family
+from vismmoe_edge.quant.config import QuantConfig, read_quant_config
+from vismmoe_edge.quant.record import ExpertSpec
+
+RECORD_KEY = re.compile(
+    r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\."
+    r"(?P<field>(?:gate_up|down)_proj\.(?:qweight|scales_zeros|scales))$"
+)
+_FAMILY_MODULES = {
+    "qwen3_vl_moe": ("vismmoe_edge.models.qwen3_vl_moe", "num_experts"),
+    "glm4v_moe": ("vismmoe_edge.models.glm4v_moe", "n_routed_experts"),
+    "deepseek_vl_v2": ("vismmoe_edge.models.deepseek_vl2", "n_routed_experts"),
+}
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    layer: int
+    expert: int
+    shard: Path
+    offset: int  # absolute file offset of the record's first byte
+    nbytes: int
+
+
+@dataclass
+class QuantizedCatalogue:
+    spec: ExpertSpec
+    num_experts: int
+    moe_layers: list[int]
+    experts: dict[tuple[int, int], ExpertRange]
+    tensor_names: set[str] = field(default_factory=set)  # the record tensors (not to load as plain weights)
+
+    def expert(self, layer: int, expert: int) -> ExpertRange:
+        return self.experts[(layer, expert)]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.spec.nbytes * len(self.experts)
+
+
+def quantized_expert_ranges(
+    table: dict[str, TensorInfo],
+    quant: QuantConfig,
+    *,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    moe_layers: list[int] | None = None,
+) -> QuantizedCatalogue:
+    """Every expert's record as one byte range; each field's dtype, shape and position are checked."""
+    spec = ExpertSpec(quant, hidden, inter)
+    found: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for name, info in table.items():
+        if m := RECORD_KEY.match(name):
+            found.setdefault((int(m["layer"]), int(m["expert"])), {})[m["field"]] = info
+        elif FUSED_EXPERT_KEY.match(name) or PER_EXPERT_KEY.match(name):
+            raise VismmoeError(f"{info.shard}: {name} is a dense expert in a quantized checkpoint; re-run quantize")
+    if not found:
+        raise VismmoeError("quantized checkpoint has no expert records (mlp.experts.{j}.*.qweight); re-run quantize")
+    layers = sorted({layer for layer, _ in found})
+    if moe_layers is not None and layers != list(moe_layers):
+        raise VismmoeError(f"quantized checkpoint has experts for layers {layers}, config.json implies {moe_layers}")
+    wanted = {f.name: f for f in spec.fields}
+    experts: dict[tuple[int, int], ExpertRange] = {}
+    names: set[str] = set()
+    for (layer, e), fields in sorted(found.items()):
+        if e >= num_experts:
+            raise VismmoeError(f"layer {layer}: expert {e} found, config.json has {num_experts} experts")
+        first = None
+        for fname, want in wanted.items():
+            info = fields.get(fname)
+            if info is None:
+                raise VismmoeError(f"layer {layer}: expert {e} has no {fname}; the checkpoint is incomplete")
+            if info.dtype != want.dtype or info.shape != want.shape:
+                raise VismmoeError(
+                    f"{info.shard}: {info.name} is {info.dtype} {list(info.shape)}, config.json implies "
+                    f"{want.dtype} {list(want.shape)} (hidden {hidden}, moe_intermediate {inter}, "
+                    f"{quant.bits}-bit, group {quant.group_size})"
+                )
+            if first is None:
+                first = info
+            if info.shard != first.shard or info.offset != first.offset + want.offset:
+                raise VismmoeError(
+                    f"{info.shard}: {info.name} is not stored right after the rest of its expert; "
+                    "the record is not contiguous (re-run quantize)"
+                )
+            names.add(info.name)
+        extra = sorted(set(fields) - set(wanted))
+        if extra:
+            raise VismmoeError(f"layer {layer}: expert {e} has {extra[0]}, not part of {quant.bits}-bit records")
+        experts[(layer, e)] = ExpertRange(layer, e, first.shard, first.offset, spec.nbytes)
+    for layer in layers:
+        for e in range(num_experts):
+            if (layer, e) not in experts:
+                raise VismmoeError(f"layer {layer}: expert {e} is missing from the quantized checkpoint")
+    return QuantizedCatalogue(spec, num_experts, layers, experts, names)
+
+
+def expert_geometry(model_type: str, config: Any) -> tuple[int, int, int, list[int]]:
+    """(hidden, moe_intermediate, routed experts, MoE layer indices) of a family's config."""
+    module, experts_attr = _FAMILY_MODULES[model_type]
+    text = config.get_text_config()
+    layers = importlib.import_module(module).moe_layer_indices(config)
+    return int(text.hidden_size), int(text.moe_intermediate_size), int(getattr(text, experts_attr)), layers
+
+
+def read_quantized_catalogue(directory: Path) -> QuantizedCatalogue:
+    """The checked catalogue of a quantized model directory (config.json, index and shards)."""
+    directory = Path(directory)
+    quant = read_quant_config(directory)
+    family = model_family(directory)
+    config = family.read_config(directory)
+    hidden, inter, num_experts, layers = expert_geometry(family.model_type, config)
+    table = family.select_tensors(config, read_tensor_table(directory))
+    return quantized_expert_ranges(table, quant, hidden=hidden, inter=inter, num_experts=num_experts, moe_layers=layers)
