@@ -20,7 +20,7 @@ from vismmoe_edge.quant.convert import quantize_checkpoint
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vismmoe_edge.demo import build_tiny_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("qcat")
     src = build_tiny_checkpoint(root / "src", seed=5, num_layers=2, hidden=128, moe_intermediate=96)

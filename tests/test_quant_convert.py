@@ -39,7 +39,7 @@ QWEN = {"num_layers": 2, "hidden": 384, "moe_intermediate": 128, "dtype": torch.
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny bf16 Qwen3-VL-MoE in each layout, with dimensions group 128 divides (hidden 384, experts 128)."""
-    from vismmoe_edge.demo import build_tiny_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("qsrc")
     return {layout: build_tiny_checkpoint(root / layout, seed=3, layout=layout, **QWEN) for layout in ("v5", "hub", "per_expert")}  # fmt: skip  # noqa: E501
@@ -127,7 +127,7 @@ def test_qwen_int8(qwen: dict[str, Path], tmp_path: Path) -> None:
 
 def test_glm4v_int4(tmp_path: Path) -> None:
     """Per-expert GLM-4.5V (fp32, shared experts, a dense first layer): hidden 128 and experts 48 wide -> g16."""
-    from vismmoe_edge.demo_glm4v import build_tiny_glm4v_checkpoint
+    from vismmoe_edge.testing.tiny_glm4v import build_tiny_glm4v_checkpoint
 
     src = build_tiny_glm4v_checkpoint(tmp_path / "glm", num_layers=3)
     out = quantize_checkpoint(src, tmp_path / "q", 4, 16, progress=False)
@@ -137,7 +137,7 @@ def test_glm4v_int4(tmp_path: Path) -> None:
 
 
 def test_deepseek_vl2_int4(tmp_path: Path) -> None:
-    from vismmoe_edge.demo_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
 
     src = build_tiny_deepseek_vl2_checkpoint(tmp_path / "ds", "tiny", num_layers=3)
     out = quantize_checkpoint(src, tmp_path / "q", 4, 32, progress=False)

@@ -1,4 +1,5 @@
-"""tools/gpu_quant_checks.py without CUDA: the CPU check passes, CUDA checks are skipped, a failure does not stop it."""
+"""tools/device/quant_checks.py without CUDA: the CPU check passes, CUDA checks are skipped, a failure does not
+stop it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_quant_checks.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "device" / "quant_checks.py"
 
 
 def load():

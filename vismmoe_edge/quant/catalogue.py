@@ -25,7 +25,7 @@ RECORD_KEY = re.compile(
 _FAMILY_MODULES = {
     "qwen3_vl_moe": ("vismmoe_edge.models.qwen3_vl_moe", "num_experts"),
     "glm4v_moe": ("vismmoe_edge.models.glm4v_moe", "n_routed_experts"),
-    "deepseek_vl_v2": ("vismmoe_edge.models.deepseek_vl2", "n_routed_experts"),
+    "deepseek_vl_v2": ("vismmoe_edge.models.deepseek_vl2.model", "n_routed_experts"),
 }
 
 

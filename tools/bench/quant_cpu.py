@@ -10,7 +10,7 @@ Weights are cold in the CPU caches, as when compute reads an expert from the pag
 of enough copies to exceed --cold-mb (default 96 MB, 3x this VM's 32 MB L3). One thread by default: on a shared
 2-core VM two threads measure the neighbours more than the kernels.
 
-    python tools/bench_quant_cpu.py --out docs/results/quant-cpu-bench.json   # ~1 min
+    python tools/bench/quant_cpu.py --out docs/results/quant-cpu-bench.json   # ~1 min
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vismmoe_edge.quant.packing import native_cpu_layout, pack_cpu_tiles, pack_rowmajor, unpack_rowmajor  # noqa: E402
 
 SHAPES = {  # name: (N, K, group)

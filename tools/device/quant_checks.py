@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU checks of the quantized-expert kernels (vismmoe_edge.quant), one JSON summary; each check runs on its own.
 
-    python3 tools/gpu_quant_checks.py --out $OUT/quant.json        # from a checkout, on the GPU machine
+    python3 tools/device/quant_checks.py --out $OUT/quant.json        # from a checkout, on the GPU machine
 
 At Qwen3-VL-30B-A3B's expert shapes (gate_up 1536x2048, down 2048x768, group 128) and the demo model's:
 - correctness: CUDA int4 (`_convert_weight_to_int4pack` on the GPU from our on-disk nibbles, either CPU tile
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vismmoe_edge.quant.config import make_config  # noqa: E402
 from vismmoe_edge.quant.kernels import (  # noqa: E402
     CUDA_TINYGEMM,
