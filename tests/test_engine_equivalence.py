@@ -143,13 +143,23 @@ def test_bfloat16_matches_transformers(tmp_path: Path, images: list[Path]) -> No
     not torch.cuda.is_available(), reason="needs a CUDA GPU (run tools/device/gpu_checks.sh on the GPU server)"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("predictor", ["none", "next-layer-gate"])
-def test_cuda_slot_pool_matches_transformers(tmp_path: Path, images: list[Path], dtype, predictor: str) -> None:
+@pytest.mark.parametrize(
+    "predictor,graphs,host_tier",
+    [("none", True, False), ("none", False, False), ("none", True, True), ("next-layer-gate", True, True),
+     ("previous-token", True, False)],
+)  # fmt: skip
+def test_cuda_slot_pool_matches_transformers(
+    tmp_path: Path, images: list[Path], dtype, predictor: str, graphs: bool, host_tier: bool
+) -> None:
+    """The GPU tier with CUDA graphs on and off, with and without the pinned host tier: transformers' tokens."""
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=dtype, layout="hub", num_layers=8)
-    engine = vismmoe_edge.load(model_dir, memory_budget="25%", pinned_layers=1, device="cuda", predictor=predictor)
-    assert engine.experts.pipeline.tier.name == "gpu-slots"
+    engine = vismmoe_edge.load(
+        model_dir, memory_budget="25%", pinned_layers=1, device="cuda", predictor=predictor, host_tier=host_tier
+    )
+    engine.cuda_graphs = graphs
+    assert engine.experts.pipeline.tier.name == "gpu-slots" and engine.uses_static_decode()
     ref = (
         Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
         .to("cuda")
@@ -159,16 +169,23 @@ def test_cuda_slot_pool_matches_transformers(tmp_path: Path, images: list[Path],
         inputs = engine.encode(prompt, images[:n_images])
         kwargs = {k: v.to("cuda") for k, v in hf_kwargs(inputs).items()}
         with torch.no_grad():
-            out = ref.generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-            ref_logits = ref(**kwargs).logits[0, -1].float()
+            out = ref.generate(
+                **kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        tokens = out.sequences[0, inputs.num_tokens :].tolist()
         result = engine.generate_from_inputs(
             inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         )
-        assert result.token_ids == out[0, inputs.num_tokens :].tolist(), prompt
+        assert result.token_ids == tokens, prompt
         if dtype == torch.float32:
-            logits, _ = engine.prefill(inputs)
-            assert torch.allclose(logits.float(), ref_logits, atol=1e-4), (logits.float() - ref_logits).abs().max()
+            ours = static_teacher_forced_logits(engine, inputs, tokens)
+            for step, (a, b) in enumerate(zip(ours, out.logits, strict=True)):
+                b = b[0].float()
+                assert torch.allclose(a, b, atol=1e-4, rtol=0), f"{prompt} step {step}: {(a - b).abs().max()}"
     assert engine.experts.pipeline.stats.misses > 0
+    assert (engine.experts.pipeline.tier.mirror is not None) == host_tier
+    assert all(d.graphs == graphs for d in engine._decoders.values())
 
 
 def static_teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> list[torch.Tensor]:

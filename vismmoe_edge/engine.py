@@ -292,7 +292,10 @@ class Engine:
 
     # ---- decode -------------------------------------------------------------------------------------
     def uses_static_decode(self) -> bool:
-        if self.static_decode == "off" or not supports_static_decode(self.model):
+        """The static decoder computes a token's experts from the slot pool, so it needs a pool with room for them."""
+        pipeline = self.experts.pipeline
+        has_pool = getattr(pipeline.tier, "pool", None) is not None and pipeline.capacity >= self.context.top_k
+        if self.static_decode == "off" or not has_pool or not supports_static_decode(self.model):
             return False
         return self.static_decode == "on" or self.device.type == "cuda"
 

@@ -67,8 +67,9 @@ def load(
     dtype: str = "auto",
     tier: str = "auto",
     predictor: str = "none",
-    policy: str = "lru",
+    policy: str = "popularity",
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+    host_tier: bool = False,
 ) -> Engine:
     """Load a Qwen3-VL-MoE, GLM-4.5V or DeepSeek-VL2 checkpoint with its routed experts left on disk.
 
@@ -86,6 +87,7 @@ def load(
     policy: which finished expert leaves first: "lru" (least recently used) or "popularity" (the one the
         fewest tokens routed to, decayed; then least recently used).
     prefetch_depth: MoE layers' worth of top-k experts that predictions may have in flight at once.
+    host_tier: with GPU slots, mirror every streamed expert in pinned host RAM (filled now): a miss is one DMA.
 
     Options left to the planner ("auto" budget, ...) are filled by `vismmoe_edge.options.load_engine`.
     """
@@ -115,6 +117,7 @@ def load(
         tier=tier,
         policy=policy,
         speculative_experts=prefetch_depth * info.top_k,
+        host_tier=host_tier,
     )
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
     if runtime.pipeline.tier.name in ("unified", "mmap"):

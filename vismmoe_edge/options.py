@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
 from vismmoe_edge.units import format_bytes
 
@@ -32,9 +33,10 @@ class LoadOptions:
     device: str = "auto"
     dtype: str = "auto"
     predictor: str = "auto"
-    policy: str = "lru"
+    policy: str = "popularity"  # beat lru in every median of the discrete and unified benchmarks (1.02-1.16x)
     profile: str = "auto"  # the hardware profile the plan is made for
     prefetch_depth: int | None = None  # MoE layers of predicted experts in flight ahead of compute
+    host_tier: str = "auto"  # GPU slot pools: mirror the streamed experts in pinned host RAM (auto: where they fit)
     compression: CompressionConfig | None = None
 
     @property
@@ -50,6 +52,7 @@ class ResolvedOptions:
     pinned_layers: int
     tier: str
     prefetch_depth: int
+    host_tier: bool = False
     note: str = ""  # one line saying where the planned values came from ("" when nothing was planned)
     plan: Plan | None = None
 
@@ -67,11 +70,14 @@ def resolve(
     one streamed expert.
     """
     o = options
+    if o.host_tier not in ("auto", "on", "off"):
+        raise VismmoeError(f"--host-tier {o.host_tier!r}: use auto, on or off")
     depth = o.prefetch_depth
     if not o.leaves_anything_to_plan:
         assert o.pinned_layers is not None
         depth = DEFAULT_PREFETCH_DEPTH if depth is None else depth
-        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth)
+        host, _ = resolve_host_tier(o, checkpoint, o.tier, o.pinned_layers, mem_available)
+        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth, host)
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.plan import make_plan
 
@@ -87,12 +93,36 @@ def resolve(
     pinned = plan.pinned_layers if pinned is None else pinned
     tier = plan.tier if o.tier == "auto" else o.tier
     depth = plan.prefetch_depth if depth is None else depth
+    host, why = resolve_host_tier(o, checkpoint, tier, pinned, mem_available)
+    if why:
+        plan.why.append(why)
     shown_budget = format_bytes(int(memory_budget)) if memory_budget.isdigit() else memory_budget
     note = (
         f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {shown_budget}, tier {tier}, "
-        f"prefetch depth {depth}; `vismmoe-edge plan` says why]"
+        f"prefetch depth {depth}{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
     )
-    return ResolvedOptions(memory_budget, pinned, tier, depth, note, plan)
+    return ResolvedOptions(memory_budget, pinned, tier, depth, host, note, plan)
+
+
+def resolve_host_tier(
+    options: LoadOptions, checkpoint: CheckpointInfo, tier: str, pinned_layers: int, mem_available: int | None
+) -> tuple[bool, str]:
+    """The pinned host tier serves GPU slot pools only; "auto" takes it where every streamed expert fits."""
+    if options.host_tier == "off" or tier not in ("gpu", "auto") or options.device == "cpu":
+        return False, ""
+    if options.host_tier == "on":
+        return True, "host tier: asked for (--host-tier on)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, ""
+    from vismmoe_edge.hardware import system
+    from vismmoe_edge.plan import host_tier_decision
+
+    catalogue = checkpoint.catalogue
+    streamed = len(catalogue.moe_layers[pinned_layers:]) * catalogue.num_experts * catalogue.expert_bytes
+    available = system.mem_available_bytes() if mem_available is None else mem_available
+    return host_tier_decision(streamed, available)
 
 
 def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: ResolvedOptions) -> Engine:
@@ -109,6 +139,7 @@ def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: Re
         predictor=options.predictor,
         policy=options.policy,
         prefetch_depth=resolved.prefetch_depth,
+        host_tier=resolved.host_tier,
     )
     if options.compression is not None:
         engine.compression = options.compression

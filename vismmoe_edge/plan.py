@@ -30,6 +30,23 @@ from vismmoe_edge.hardware.profiles import Profile
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
+# RAM kept out of the pinned host tier: the OS, this process, page cache for loading the non-expert weights.
+HOST_TIER_RESERVE = 8 * GIB
+
+
+def host_tier_decision(streamed_bytes: int, mem_available: int) -> tuple[bool, str]:
+    """Whether every streamed expert fits in pinned host RAM beside a discrete GPU, and why."""
+    room = mem_available - HOST_TIER_RESERVE
+    if streamed_bytes <= room:
+        return True, (
+            f"host tier: the {format_bytes(streamed_bytes)} of streamed experts fit in pinned host RAM "
+            f"({format_bytes(mem_available)} available, {format_bytes(HOST_TIER_RESERVE)} kept free): a GPU miss is "
+            "one DMA"
+        )
+    return False, (
+        f"no host tier: the {format_bytes(streamed_bytes)} of streamed experts do not fit in "
+        f"{format_bytes(max(room, 0))} of host RAM; misses read the shards through pinned staging"
+    )
 
 
 @dataclass

@@ -2,19 +2,27 @@
 """Discrete-GPU benchmark: Qwen3-VL-30B-A3B-sized synthetic checkpoint (all 48 layers) on one CUDA GPU.
 
 Compares, in one run, decode tokens/s and prefill latency (a prompt with ~1,100 image tokens) of:
-- Hugging Face Accelerate offload at the same GPU budget (the seed paper's baseline),
-- vismmoe-edge with every expert resident (the ceiling),
-- vismmoe-edge at the budget: LRU on demand, + previous-token prefetch, + next-layer-gate prefetch,
+- transformers' own model with every weight on the GPU (the ceiling), and Hugging Face Accelerate offload at the
+  same GPU budget (the seed paper's baseline), each in its own process;
+- vismmoe-edge with every expert preloaded into the GPU pool (our ceiling);
+- vismmoe-edge at the budget, with the pinned host tier the planner picks on this host: eviction by popularity
+  (the default) and by LRU, without prediction, with the learned lookahead predictor (trace replay) and with
+  CUDA graphs off (what the graphs buy);
 - the oracle bound: Belady's fewest bytes for the recorded routing at the same slot count, moved at the
-  measured pinned bandwidth, overlapped perfectly with the all-resident compute time.
+  measured pinned bandwidth, overlapped perfectly with the all-resident compute time;
+and a torch.profiler window over decode steps at the budget: GPU compute busy, copy-engine busy, their union,
+kernel launches, graph launches and synchronisations per token, the DMA bandwidth misses moved at.
 
-Decode is sampled (temperature 1): random weights under greedy decoding repeat one token and flatter caches.
+One engine per configuration is loaded once and its GPU cache emptied before every trial (`pipeline.clear`),
+so trials start cold while the host tier stays filled, as in a running server. Trials are interleaved.
+Decode is sampled (temperature 1) or replayed from a real routing trace; never greedy on random weights.
 Run on the GPU server:  python3 tools/bench/discrete.py --out-dir /tmp/bench --json $OUT/discrete.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -28,7 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-IMAGE_SIDE = 1056  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
+IMAGE_SIDE = int(os.environ.get("BENCH_IMAGE_SIDE", 1056))  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a smoke run of the harness on a tiny checkpoint
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 PROMPT = "Describe everything in this picture in detail."
 
 
@@ -162,15 +176,53 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
     }
 
 
-def run_ours(
-    model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int, replay: Path | None, seed: int
-) -> dict:
+def load_engine(model_dir: Path, budget: str, *, pinned_layers: int = 0, host_tier: bool = True) -> object:
     import vismmoe_edge
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    engine = vismmoe_edge.load(
+        model_dir, memory_budget=budget, pinned_layers=pinned_layers, device=DEVICE,
+        tier="gpu" if DEVICE == "cuda" else "host", predictor="none", host_tier=host_tier,
+    )  # fmt: skip
+    engine.load_s = time.perf_counter() - start
+    # after the previous engine was freed
+    engine.peak_gpu_bytes = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    return engine
+
+
+def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
+    from vismmoe_edge.experts.runtime import attach_predictor
+    from vismmoe_edge.predict.factory import make_predictor
+
+    runtime = engine.experts
+    if runtime.predictor_worker is not None:
+        runtime.predictor_worker.close()
+    old_observe = getattr(runtime.predictor, "observe", None)
+    if old_observe is not None:
+        runtime.route_hooks.remove(old_observe)
+    runtime.predictor, runtime.predictor_worker = None, None
+    spec = str(predictor_file) if name == "learned" else name
+    attach_predictor(
+        runtime, make_predictor(spec, engine.model_dir, engine.context, engine.model, on_gpu=DEVICE == "cuda")
+    )
+
+
+def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
+              graphs: bool = True) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
-    start = time.perf_counter()
-    engine = vismmoe_edge.load(model_dir, memory_budget=budget, device="cuda", tier="gpu", predictor=predictor)
-    load_s = time.perf_counter() - start
+    pipeline = engine.experts.pipeline
+    pipeline.policy = policy
+    if engine.cuda_graphs != graphs:  # decoders are built with or without graphs
+        engine.cuda_graphs = graphs
+        engine._decoders.clear()
+    pipeline.clear()
+    engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
+    engine.experts.replay = None
     if replay is not None:
         engine.replay_routing(replay, start_token=2000 * seed)  # each repeat replays another stretch
     routes: list[tuple[int, list[int]]] = []  # (layer, experts) in the order the engine used them, for the oracle
@@ -180,42 +232,103 @@ def run_ours(
 
     engine.experts.route_hooks.append(record)
     inputs = engine.encode(PROMPT, [image])
-    pipeline = engine.experts.pipeline
     pipeline.reset_stats()
+    engine.experts.predict_seconds = 0.0
     times: list[float] = []
+    sync()
     start = time.perf_counter()
     sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=seed)
     for _ in engine.stream(inputs, sampling):
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter())
-    prefill_s = times[0] - start
-    steps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    engine.experts.route_hooks.remove(record)
+    steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # the first decode step captures graphs
     s = pipeline.stats.as_dict()
-    result = {
-        "strategy": "all-resident" if budget == "100%" else ("lru" if predictor == "none" else predictor),
+    log = pipeline.layer_log
+    n_layers = len(engine.catalogue.moe_layers)
+    decode_bytes = sum(x.bytes_read for x in log[len(log) - (new_tokens - 1) * n_layers :])
+    worker = engine.experts.predictor_worker
+    return {
         "routing": "trace-replay" if replay is not None else "sampled",
-        "budget": budget,
         "slots": pipeline.capacity,
-        "load_s": load_s,
-        "prefill_s": prefill_s,
+        "prefill_s": times[0] - start,
         "decode_s_per_token": statistics.median(steps),
         "decode_tokens_per_s": 1 / statistics.median(steps),
         "hit_rate": s["hit_rate"],
-        "gb_copied_per_decode_token": None,
+        "gb_copied_per_decode_token": decode_bytes / (new_tokens - 1) / 1e9,
         "stall_s": s["stall_s"],
         "wasted_speculative_gb": s["wasted_speculative_bytes"] / 1e9,
+        "predictor_critical_ms_per_token": engine.experts.predict_seconds * 1000 / (new_tokens + 1),
+        "predictor_worker_ms_per_token": (worker.seconds * 1000 / (new_tokens + 1)) if worker else 0.0,
         "routes": routes,
         "expert_bytes": engine.catalogue.expert_bytes,
-        "resident_bytes": torch.cuda.max_memory_allocated(),
     }
-    log = pipeline.layer_log
-    decode_bytes = sum(x.bytes_read for x in log[len(log) - new_tokens * len(engine.catalogue.moe_layers) :])
-    result["gb_copied_per_decode_token"] = decode_bytes / new_tokens / 1e9
-    pipeline.close()
-    del engine
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return result
+
+
+def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) -> dict:
+    """torch.profiler over `tokens` decode steps (after a warm-up that captured the graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vismmoe_edge.sampling import SamplingConfig
+
+    engine.experts.pipeline.clear()
+    inputs = engine.encode(PROMPT, [image])
+    sampling = SamplingConfig(max_new_tokens=tokens + 3, min_new_tokens=tokens + 3, temperature=1.0, seed=7)
+    stream = engine.stream(inputs, sampling)
+    next(stream)  # prefill
+    next(stream)  # the first decode step (captures graphs on a new capacity)
+    next(stream)
+    sync()
+    read_before = engine.experts.pipeline.stats.bytes_read
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(tokens):
+            next(stream)
+        sync()
+        wall = time.perf_counter() - start
+    expert_bytes = engine.experts.pipeline.stats.bytes_read - read_before
+    for _ in stream:
+        pass
+    compute, copies, launches, graph_launches, syncs = [], [], 0, 0, 0
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
+            span = (e.time_range.start, e.time_range.end)
+            (copies if "Memcpy" in e.name or "memcpy" in e.name else compute).append(span)
+        elif e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
+            launches += 1
+        elif e.name in ("cudaGraphLaunch",):
+            graph_launches += 1
+        elif e.name in ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
+            syncs += 1
+    htod_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA" and "HtoD" in e.name)
+    return {
+        "tokens": tokens,
+        "wall_ms_per_token": wall * 1000 / tokens,
+        "compute_busy": union_us(compute) / (wall * 1e6),
+        "copy_busy": union_us(copies) / (wall * 1e6),
+        "compute_or_copy_busy": union_us(compute + copies) / (wall * 1e6),
+        "kernel_launches_per_token": launches / tokens,
+        "graph_launches_per_token": graph_launches / tokens,
+        "syncs_per_token": syncs / tokens,
+        "expert_gb_per_token": expert_bytes / tokens / 1e9,
+        "dma_gb_s": expert_bytes / (htod_us * 1e-6) / 1e9 if htod_us else None,  # while a host-to-device copy ran
+        "routing": "trace-replay" if replay is not None else "sampled",
+        "host_top": [
+            (e.key, round(e.cpu_time_total / 1000 / tokens, 3))
+            for e in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
+        ],
+    }
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def pinned_bandwidth() -> float:
@@ -256,17 +369,12 @@ def oracle(
     }
 
 
-def median_row(trials: list[dict]) -> dict:
-    out = dict(trials[0])
-    for key in (
-        "prefill_s",
-        "decode_s_per_token",
-        "hit_rate",
-        "gb_copied_per_decode_token",
-        "stall_s",
-        "wasted_speculative_gb",
-    ):
-        out[key] = statistics.median(t[key] for t in trials)
+def median_row(strategy: str, trials: list[dict]) -> dict:
+    out = {k: v for k, v in trials[0].items() if k != "routes"}
+    out["strategy"] = strategy
+    for key in ("prefill_s", "decode_s_per_token", "hit_rate", "gb_copied_per_decode_token", "stall_s",
+                "wasted_speculative_gb", "predictor_critical_ms_per_token", "predictor_worker_ms_per_token"):
+        out[key] = statistics.median(t[key] for t in trials)  # fmt: skip
     out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
     out["decode_tokens_per_s_all"] = [round(t["decode_tokens_per_s"], 3) for t in trials]
     return out
@@ -274,22 +382,9 @@ def median_row(trials: list[dict]) -> dict:
 
 def subprocess_worker(args: argparse.Namespace, worker: str) -> dict:
     """Baselines run in their own process, so that their copy of the model leaves with them."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        worker,
-        "--out-dir",
-        str(args.out_dir),
-        "--layers",
-        str(args.layers),
-        "--gpu-gib",
-        str(args.gpu_gib),
-        "--accelerate-tokens",
-        str(args.accelerate_tokens),
-        "--new-tokens",
-        str(args.new_tokens),
-    ]
+    cmd = [sys.executable, __file__, "--worker", worker, "--out-dir", str(args.out_dir), "--layers", str(args.layers),
+           "--gpu-gib", str(args.gpu_gib), "--accelerate-tokens", str(args.accelerate_tokens),
+           "--new-tokens", str(args.new_tokens)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         return {"strategy": worker, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
@@ -304,8 +399,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--accelerate-tokens", type=int, default=3)
     ap.add_argument("--skip-accelerate", action="store_true")
+    ap.add_argument("--skip-baselines", action="store_true", help="no transformers / Accelerate runs")
+    ap.add_argument("--baselines-only", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
+    ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -327,52 +425,63 @@ def main() -> None:
     info = describe_checkpoint(model_dir)
     resident = info["resident_bytes"]
     expert_budget = int(args.gpu_gib * 2**30 - resident - 2**30)  # 1 GiB for activations and the KV cache
-    results = []
-    machine = torch.cuda.get_device_name(0)
-    bandwidth = pinned_bandwidth()
-    print(
-        f"{machine}: pinned host->device {bandwidth / 1e9:.1f} GB/s; resident {resident / 1e9:.2f} GB; "
-        f"expert budget {expert_budget / 2**30:.2f} GiB",
-        flush=True,
-    )
-    routings = [None] + ([args.replay_trace] if args.replay_trace else [])
-    configs = [
-        ("100%", "none"),
-        (str(expert_budget), "none"),
-        (str(expert_budget), "previous-token"),
-        (str(expert_budget), "next-layer-gate"),
-    ]
-    for replay in routings:
-        mode = "trace-replay" if replay is not None else "sampled"
-        # next-layer-gate guesses from the model's own router, which replayed routing ignores: skip it there
-        cfgs = configs if replay is None else [c for c in configs if c[1] != "next-layer-gate"]
-        trials: dict[tuple[str, str], list[dict]] = {c: [] for c in cfgs}
-        for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
-            for budget, predictor in cfgs:
-                r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay, seed)
-                trials[(budget, predictor)].append(r)
-                print({k: v for k, v in r.items() if k != "routes"}, flush=True)
-        rows = [median_row(trials[c]) for c in cfgs]
-        results += rows
-        ceiling = next(r for r in rows if r["strategy"] == "all-resident")
-        lru = next(r for r in rows if r["strategy"] == "lru")
-        bound = oracle(
-            lru["routes"],
-            lru["slots"],
-            lru["expert_bytes"],
-            bandwidth,
-            ceiling["decode_s_per_token"],
-            args.new_tokens,
-            args.layers,
-        )
-        results.append({**bound, "routing": mode})
-    results.append(subprocess_worker(args, "hf-resident"))
-    print(results[-1], flush=True)
-    if not args.skip_accelerate:
-        results.append(subprocess_worker(args, "accelerate"))
+    machine = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (harness smoke run)"
+    bandwidth = pinned_bandwidth() if DEVICE == "cuda" else 1e9
+    print(f"{machine}: pinned host->device {bandwidth / 1e9:.1f} GB/s; resident {resident / 1e9:.2f} GB; "
+          f"expert budget {expert_budget / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    results: list[dict] = []
+    profiles: list[dict] = []
+    engines: dict[str, object] = {}
+    if not args.baselines_only:
+        engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
+        engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
+        for name, e in engines.items():
+            print(f"{name}: loaded in {e.load_s:.1f} s, peak GPU {e.peak_gpu_bytes / 2**30:.2f} GiB, "
+                  f"host tier {getattr(e.experts.pipeline.tier, 'mirror', None) is not None}", flush=True)  # fmt: skip
+        routings = [None] + ([args.replay_trace] if args.replay_trace else [])
+        for replay in routings:
+            mode = "trace-replay" if replay is not None else "sampled"
+            configs: list[tuple[str, str, dict]] = [
+                ("all-resident", "all-resident", {}),
+                ("budget", "popularity", {}),
+                ("budget", "lru", {"policy": "lru"}),
+                ("budget", "graphs-off", {"graphs": False}),
+            ]
+            if replay is not None and args.predictor_file is not None:
+                configs.append(("budget", "learned", {}))
+            trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
+            for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
+                for engine_name, name, kw in configs:
+                    engine = engines[engine_name]
+                    set_predictor(engine, "learned" if name == "learned" else "none", args.predictor_file)
+                    r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
+                    trials[name].append(r)
+                    print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)
+            rows = [median_row(name, trials[name]) for _, name, _ in configs]
+            for row in rows:
+                engine = engines["all-resident" if row["strategy"] == "all-resident" else "budget"]
+                row["peak_gpu_gib"] = engine.peak_gpu_bytes / 2**30
+            results += rows
+            ceiling = next(r for r in rows if r["strategy"] == "all-resident")
+            ours = trials["popularity"][0]
+            bound = oracle(ours["routes"], ours["slots"], ours["expert_bytes"], bandwidth,
+                           ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
+            results.append({**bound, "routing": mode})
+            set_predictor(engines["budget"], "none", None)
+            profiles.append(profile_decode(engines["budget"], image, replay))
+            print("profile", profiles[-1], flush=True)
+        for e in engines.values():
+            e.experts.pipeline.close()
+        engines.clear()
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    if not args.skip_baselines:
+        results.append(subprocess_worker(args, "hf-resident"))
         print(results[-1], flush=True)
-    for r in results:
-        r.pop("routes", None)
+        if not args.skip_accelerate:
+            results.append(subprocess_worker(args, "accelerate"))
+            print(results[-1], flush=True)
     summary = {
         "machine": machine,
         "date": time.strftime("%Y-%m-%d"),
@@ -382,6 +491,7 @@ def main() -> None:
         "layers": args.layers,
         "torch": torch.__version__,
         "results": results,
+        "profiles": profiles,
     }
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -14,6 +14,7 @@ from vismmoe_edge.cli.common import fail, load_options
 from vismmoe_edge.cli.options import (
     BudgetOpt,
     DeviceOpt,
+    HostTierOpt,
     ImageOpt,
     ModelOpt,
     PinnedOpt,
@@ -38,7 +39,8 @@ def bench_command(
     tier: TierOpt = "auto",
     predictor: PredictorOpt = "auto",
     prefetch_depth: PrefetchDepthOpt = None,
-    policy: PolicyOpt = "lru",
+    host_tier: HostTierOpt = "auto",
+    policy: PolicyOpt = "popularity",
     device: DeviceOpt = "auto",
     replay_trace: Annotated[
         Path | None, typer.Option("--replay-trace", help="route from this trace instead of sampling")

@@ -47,6 +47,10 @@ PrefetchDepthOpt = Annotated[
     int | None,
     typer.Option("--prefetch-depth", min=0, help="MoE layers of predicted experts in flight; default: the plan's"),
 ]
+HostTierOpt = Annotated[
+    str,
+    typer.Option("--host-tier", help="GPU slots: mirror experts in pinned host RAM: auto (where they fit), on, off"),
+]
 CompressorOpt = Annotated[
     str,
     typer.Option(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,9 @@ class ExpertRuntime:
     predictor: Predictor | None = None
     replay: Router | None = None  # trace replay: routed ids come from a trace, not from the model's router
     route_hooks: list[RouteHook] = field(default_factory=list)
-    predict_seconds: float = 0.0
+    predict_seconds: float = 0.0  # predictor time on compute's critical path
     lock_report: object | None = None  # unified memory: what of the pinned prefix mlock could hold
+    predictor_worker: Any = None  # a PredictorWorker: the predictor runs beside compute instead
 
 
 class OffloadedExperts(nn.Module):
@@ -71,7 +72,7 @@ class OffloadedExperts(nn.Module):
         start = time.perf_counter()
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = getattr(pipeline.tier, "pool", None)
-        if pool is not None:
+        if pool is not None and len(order) <= pipeline.capacity:  # all of them can be resident at once
             slot_of = self._acquire_slots(order)
             slots = torch.tensor([[slot_of[int(e)] for e in row] for row in index_cpu.tolist()], device=pool.device)
             out = self.pool_compute(hidden_states, slots, top_k_weights)
@@ -92,7 +93,11 @@ class OffloadedExperts(nn.Module):
             hook(self.layer, hidden, top_k_index, top_k_weights)
         experts, counts = torch.unique(index_cpu, return_counts=True)
         order = pipeline.begin_layer(self.layer, experts.tolist(), (counts / index_cpu.shape[0]).tolist())
-        if rt.predictor is not None:
+        if rt.predictor_worker is not None:
+            start = time.perf_counter()
+            rt.predictor_worker.submit(self.layer, hidden, top_k_index)
+            rt.predict_seconds += time.perf_counter() - start
+        elif rt.predictor is not None:
             start = time.perf_counter()
             pipeline.prefetch(rt.predictor.predict(self.layer, hidden, top_k_index), current_layer=self.layer)
             rt.predict_seconds += time.perf_counter() - start

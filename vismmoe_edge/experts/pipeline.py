@@ -306,6 +306,23 @@ class ExpertPipeline:
                 self._lock.wait(0.05)
         self._raise_if_failed()
 
+    def clear(self) -> None:
+        """Evict every streamed expert and forget popularity: a cold cache (benchmarks reuse one engine across
+        trials this way; a pinned host tier below the cache stays filled, as it would in a running server)."""
+        self.drain()
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                if entry.loaded.is_set() and entry.slot is not None:
+                    self.tier.release(key, entry.slot)
+            self._entries.clear()
+            self._free_slots = list(range(self.capacity - 1, -1, -1))
+            self._evictable = {State.EXPIRED: [], State.SPECULATIVE: []}
+            self._speculative_by_layer.clear()
+            self._popularity.clear()
+            self._loaded_count = 0
+            self._speculative_in_flight = 0
+            self._update_resident()
+
     def reset_stats(self) -> None:
         with self._lock:
             self.stats = PipelineStats(pinned_bytes=self.stats.pinned_bytes)

@@ -8,6 +8,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
 from vismmoe_edge.experts.host_tier import HostMirror
 from vismmoe_edge.experts.pipeline import ExpertPipeline, Tier
+from vismmoe_edge.experts.predictor_worker import PredictorWorker
 from vismmoe_edge.experts.slots import SlotPoolTier
 from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
@@ -95,8 +96,12 @@ def make_tier(
     return SlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
 
 
-def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None) -> None:
+def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None, *, background: bool = True) -> None:
+    """`background`: run it on a worker thread beside compute (predictors that need the device's hidden state,
+    the next-layer gate, stay inline)."""
     runtime.predictor = predictor
     observe = getattr(predictor, "observe", None)
     if observe is not None:
         runtime.route_hooks.append(observe)
+    if predictor is not None and background and not getattr(predictor, "reads_device_hidden", False):
+        runtime.predictor_worker = PredictorWorker(predictor, runtime.pipeline)

@@ -28,6 +28,7 @@ def next_gate_demand(hidden: torch.Tensor, gate_weight: torch.Tensor, k: int) ->
 
 class NextLayerGatePredictor:
     name = "next-layer-gate"
+    reads_device_hidden = True  # its GEMM runs where the hidden state is: it cannot run on a host copy
 
     def __init__(self, gate_weights: dict[int, torch.Tensor], *, top_b: int) -> None:
         self.gate_weights = gate_weights  # MoE layer -> router weight [E, H]; routers are tiny and resident
