@@ -237,6 +237,31 @@ class StreamConfig:
     buckets: list[Bucket]
     confusable: float = 0.5  # share of scenes drawn from few colours and shapes
     aux_labels: str = "object"
+    background_reuse: float = 4.0  # mean uses of a rendered background (1: every scene its own)
+
+
+class BackgroundCache:
+    """Rendered backgrounds per image size, each reused about `reuse` times: a background is most of a worker's
+    time (a noise background of 1056 x 1056 px takes ~40 ms, the objects ~2 ms) and carries no answer. A scene
+    draws a fresh background with probability 1 / reuse (which then replaces a random cached one), else a
+    random cached one, so backgrounds keep turning over."""
+
+    def __init__(self, reuse: float, size: int = 32) -> None:
+        self.reuse, self.size = reuse, size
+        self.cache: dict[tuple[int, int], list[Any]] = {}
+
+    def get(self, scene: sv.Scene, rng: random.Random) -> Any | None:
+        if self.reuse <= 1:
+            return None
+        pool = self.cache.setdefault((scene.width, scene.height), [])
+        if len(pool) < self.size or rng.random() < 1 / self.reuse:
+            image = sv._background(scene)
+            if len(pool) < self.size:
+                pool.append(image)
+            else:
+                pool[rng.randrange(self.size)] = image
+            return image
+        return pool[rng.randrange(len(pool))]
 
 
 class BatchStream(IterableDataset):
@@ -246,6 +271,7 @@ class BatchStream(IterableDataset):
     def __init__(self, config: StreamConfig, processor: Any) -> None:
         self.config = config
         self.encoder = TurnEncoder(processor)
+        self.backgrounds = BackgroundCache(config.background_reuse)
 
     def batch(self, rng: random.Random, bucket: Bucket) -> dict[str, torch.Tensor]:
         images = np.empty((bucket.batch, bucket.height, bucket.width, 3), dtype=np.uint8)
@@ -260,7 +286,7 @@ class BatchStream(IterableDataset):
             else:
                 scene = sv.make_scene(rng, size=size)
             turns = pick_turns(sv.training_qas(scene, rng), rng, bucket.slots)
-            images[i] = np.asarray(sv.render(scene))
+            images[i] = np.asarray(sv.render(scene, self.backgrounds.get(scene, rng)))
             ids[i], targets[i], real[i] = encode_sample(self.encoder, bucket, turns)
             labels[i] = token_labels(scene, images[i], self.config.aux_labels)
         return {

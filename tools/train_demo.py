@@ -280,6 +280,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=16, help="question turns per image")
     parser.add_argument("--slot-len", type=int, default=24, help="tokens per turn slot")
     parser.add_argument("--confusable", type=float, default=0.5, help="share of scenes from few colours and shapes")
+    parser.add_argument("--background-reuse", type=float, default=4.0, help="mean uses of a rendered background")
     parser.add_argument("--aux-labels", choices=("object", "cell"), default="object")
     parser.add_argument("--aux-weight", type=float, default=0.5)
     parser.add_argument("--balance-weight", type=float, default=0.01, help="router load-balancing loss weight")
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fused=cuda,
         capturable=cuda,
     )
-    stream = D.BatchStream(D.StreamConfig(args.seed, buckets, args.confusable, args.aux_labels), processor)
+    stream = D.BatchStream(D.StreamConfig(args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse), processor)
     loader = DataLoader(
         stream,
         batch_size=None,

@@ -253,8 +253,10 @@ def _text_mask(text: str) -> Image.Image:
     return small.resize((small.width * TEXT_SCALE, small.height * TEXT_SCALE), Image.Resampling.NEAREST)
 
 
-def render(scene: Scene) -> Image.Image:
-    image = _background(scene)
+def render(scene: Scene, background: Image.Image | None = None) -> Image.Image:
+    """The scene's image. Training only: `background` (an image of the scene's size) replaces the scene's own
+    background, so a worker can reuse backgrounds, the costly part; the splits never pass one."""
+    image = _background(scene) if background is None else background.copy()
     draw = ImageDraw.Draw(image)
     for obj in scene.objects:
         _draw_shape(draw, obj)
