@@ -224,14 +224,17 @@ class Prefetcher:
         if self.stream is None:
             self.next = batch
             return
+        bucket = batch.pop("bucket")  # stays on the host: reading it from the GPU would sync every step
         with torch.cuda.stream(self.stream):
             self.next = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        self.next["bucket"] = bucket
 
     def get(self) -> dict[str, torch.Tensor]:
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
             for v in self.next.values():
-                v.record_stream(torch.cuda.current_stream())
+                if v.is_cuda:
+                    v.record_stream(torch.cuda.current_stream())
         batch = self.next
         self._load()
         return batch
@@ -338,7 +341,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fused=cuda,
         capturable=cuda,
     )
-    stream = D.BatchStream(D.StreamConfig(args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse), processor)
+    stream = D.BatchStream(
+        D.StreamConfig(args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse), processor
+    )
     loader = DataLoader(
         stream,
         batch_size=None,
@@ -377,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "seconds": round(dt, 1),
                 "images_per_s": round((images - phase_images) / dt, 1),
                 "data_wait_s": round(prefetch.wait_s - phase_wait, 1),
+                "max_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             }
             print(f"{name}: {phases[name]}", flush=True)
 
@@ -389,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
         if phase == "plain" and mode == "graph" and time.perf_counter() - t_train > args.probe_seconds and step >= 6:
             close_phase("plain")  # the plain probe is over: the same training continues as CUDA graphs
+            torch.cuda.empty_cache()
             totals = runner.totals
             runner = F.StepRunner(fast, params, opt, lr_tensor, "graph")
             runner.totals = totals
@@ -503,6 +510,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = {"format": 2, "runs": origin.get("lineage", []) + [run]}
     (out_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
 
+    def write_profile() -> None:
+        if args.profile_json is not None:
+            summary = {"device": run["device"], "torch": run["torch"], "throughput": throughput, "profiles": profiles}
+            args.profile_json.parent.mkdir(parents=True, exist_ok=True)
+            args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")
+
+    write_profile()  # now, so that a failure in the check below still leaves it
+
     # ---- quick check on the GPU, with the weights as saved ----
     eval_deadline = time.perf_counter() + args.eval_seconds
     fast.aux = None
@@ -516,10 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run["gpu_quick_eval"] = scores
     run["wall_seconds"] = round(time.perf_counter() - t_launch, 1)
     (out_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    if args.profile_json is not None:
-        summary = {"device": run["device"], "torch": run["torch"], "throughput": throughput, "profiles": profiles}
-        args.profile_json.parent.mkdir(parents=True, exist_ok=True)
-        args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")
+    write_profile()
     return run
 
 

@@ -348,6 +348,7 @@ class StepRunner:
             self.fallbacks[index] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"CUDA graph capture failed for bucket {bucket.name}, running it plainly: {self.fallbacks[index]}")
             torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's blocks: the graphs' pool holds what the replays need
         self.capture_seconds += time.perf_counter() - start
         return out
 
