@@ -307,3 +307,34 @@ class BatchStream(IterableDataset):
             batch = self.batch(rng, self.config.buckets[index])
             batch["bucket"] = torch.tensor(index)
             yield batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Images per second one data worker makes, per bucket (what the loader's worker count has to cover)."""
+    import argparse
+    import time
+
+    from vismmoe_edge.demo import TRAINED_DEMO_DIR
+    from vismmoe_edge.processor import load_processor
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--sides", default="448,1056")
+    parser.add_argument("--images", type=int, default=48, help="images per bucket (after a warm-up batch)")
+    parser.add_argument("--background-reuse", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    processor = load_processor(TRAINED_DEMO_DIR)
+    prefix = len(TurnEncoder(processor).prefix)
+    sides = [int(s) for s in args.sides.split(",")]
+    for w, h in [(w, h) for w in sides for h in sides]:
+        bucket = Bucket(w, h, args.images, 16, 24, prefix)
+        stream = BatchStream(StreamConfig(0, [bucket], background_reuse=args.background_reuse), processor)
+        rng = random.Random(0)
+        stream.batch(rng, Bucket(w, h, 40, 16, 24, prefix))  # fills the background cache, as a running worker has
+        start = time.perf_counter()
+        stream.batch(rng, bucket)
+        rate = args.images / (time.perf_counter() - start)
+        print(f"{bucket.name:>9s}: {rate:6.1f} images/s per worker ({1000 / rate:5.1f} ms an image)")
+
+
+if __name__ == "__main__":
+    main()  # PYTHONPATH=. python tools/train_data.py

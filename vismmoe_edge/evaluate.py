@@ -256,7 +256,7 @@ def format_report(report: EvalReport, title: str) -> Iterator[str]:
         f"{report.visual_tokens_mean:.0f} visual tokens on average"
         f" ({report.kept_visual_tokens_mean:.0f} kept by {report.compression})"
     )
-    threads = f", {report.threads} CPU threads" if report.threads is not None else ""
+    threads = "" if report.threads is None else f", {report.threads} CPU thread{'s' if report.threads != 1 else ''}"
     yield (
         f"time: {report.seconds:.0f} s in all, {report.seconds_per_question * 1000:.0f} ms a question: "
         f"image and processor {report.prep_ms_mean:.0f} ms, prefill {report.prefill_ms_mean:.0f} ms "
