@@ -246,7 +246,7 @@ class BackgroundCache:
     draws a fresh background with probability 1 / reuse (which then replaces a random cached one), else a
     random cached one, so backgrounds keep turning over."""
 
-    def __init__(self, reuse: float, size: int = 32) -> None:
+    def __init__(self, reuse: float, size: int = 16) -> None:
         self.reuse, self.size = reuse, size
         self.cache: dict[tuple[int, int], list[Any]] = {}
 

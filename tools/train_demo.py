@@ -365,11 +365,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     step = images = 0
     t_train = time.perf_counter()
     phase, phase_t, phase_step, phase_images, phase_wait = "plain", t_train, 0, 0, prefetch.wait_s
-    graph_window: tuple[float, int] | None = None  # (time, step) once every bucket has its graph
     last_log_step, last_totals = 0, runner.totals.clone()
     prof, prof_t, prof_step, prof_images = None, 0.0, 0, 0
     profile_at = 3 if cuda else -1  # the plain phase's 4th step, and the graph phase's once all are captured
+    plain_mark: tuple[float, int, int] | None = None
+    graph_mark: tuple[float, int, int] | None = None
+    plain_rate = (0.0, 0.0)  # images/s and s/step of the plain probe
+    probe: tuple[float, float] | None = None  # the same for the mode that then trains
+    chosen = mode
     stopped_by = "steps"
+
+    def rate_since(mark: tuple[float, int, int] | None) -> tuple[float, float]:
+        """(images/s, seconds/step) since `mark`."""
+        if mark is None or step <= mark[1]:
+            return 0.0, float("inf")
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - mark[0]
+        return (images - mark[2]) / dt, dt / (step - mark[1])
+
+    def switch(old: F.StepRunner, new_mode: str) -> F.StepRunner:
+        new = F.StepRunner(fast, params, opt, lr_tensor, new_mode)
+        new.totals, new.capture_seconds, new.fallbacks = old.totals, old.capture_seconds, old.fallbacks
+        return new
 
     def close_phase(name: str) -> None:
         if cuda:
@@ -393,12 +411,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if time.time() > deadline:
             stopped_by = "time"
             break
-        if phase == "plain" and mode == "graph" and time.perf_counter() - t_train > args.probe_seconds and step >= 6:
+        if phase == "plain" and mode == "graph" and time.perf_counter() - t_train > args.probe_seconds and step >= 10:
             close_phase("plain")  # the plain probe is over: the same training continues as CUDA graphs
+            plain_rate = rate_since(plain_mark)
             torch.cuda.empty_cache()
-            totals = runner.totals
-            runner = F.StepRunner(fast, params, opt, lr_tensor, "graph")
-            runner.totals = totals
+            runner = switch(runner, "graph")
             phase, phase_t, phase_step, phase_images, phase_wait = (
                 "graph",
                 time.perf_counter(),
@@ -406,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 images,
                 prefetch.wait_s,
             )
-            profile_at = -1
+            profile_at = -1  # set again once every bucket has its graph
         batch = prefetch.get()
         index = int(batch.pop("bucket"))
         bucket = buckets[index]
@@ -427,17 +444,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             profiles[phase] = profile_summary(prof, 4, time.perf_counter() - prof_t, images - prof_images)
             print(f"profile ({phase}): " + json.dumps({k: v for k, v in profiles[phase].items() if "top" not in k}))
             prof = None
-        if phase == "graph" and graph_window is None and len(runner.graphs) + len(runner.fallbacks) == len(buckets):
-            graph_window = (time.perf_counter(), step)  # every bucket captured: the steady rate from here
-            profile_at = step + 2
-        if args.steps == "auto" and total == 10**9:
-            window = graph_window if mode == "graph" else (t_train, 0)
-            if window is not None and time.perf_counter() - window[0] >= args.probe_seconds and step > window[1]:
-                if cuda:
-                    torch.cuda.synchronize()
-                per_step = (time.perf_counter() - window[0]) / (step - window[1])
+            if phase == "graph":
+                graph_mark = (time.perf_counter(), step, images)  # the steady graph rate is measured from here
+        if phase == "plain" and step - phase_step == 7:
+            plain_mark = (time.perf_counter(), step, images)  # after warm-up and the profiled steps
+        if phase == "graph" and profile_at < 0 and (runner.mode == "plain" or len(runner.graphs) == len(buckets)):
+            profile_at = step + 1  # every bucket has its graph (or capture failed): profile the steady state
+        # the probes' verdict, once: the graph rate over --probe-seconds of steady replays against the plain rate
+        mark = graph_mark if phase == "graph" else plain_mark if mode != "graph" else None
+        if probe is None and mark is not None and time.perf_counter() - mark[0] >= args.probe_seconds:
+            probe = rate_since(mark)
+            if phase != "graph":
+                plain_rate = probe
+            elif runner.mode == "graph" and plain_rate[0] > 1.05 * probe[0]:
+                print(f"plain steps were faster ({plain_rate[0]:.0f} against {probe[0]:.0f} img/s): plain from now")
+                runner = switch(runner, "plain")
+                chosen = "plain (faster than the graphs)"
+            per_step = plain_rate[1] if runner.mode == "plain" else probe[1]
+            if args.steps == "auto":
                 total = step + int(0.97 * (deadline - time.time()) / per_step)
-                print(f"{per_step * 1000:.0f} ms/step ({phase}) -> {total} steps in all", flush=True)
+            print(f"probe: {probe[0]:.0f} img/s, {per_step * 1000:.0f} ms/step -> {total} steps in all", flush=True)
         if step % 25 == 0 or step == 1 or step == total:
             now = runner.totals.tolist()
             diff = [a - b for a, b in zip(now, last_totals.tolist(), strict=True)]
@@ -478,7 +504,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise RuntimeError(f"checkpoint over the size limits: {shards}")
     throughput = {
         "phases": phases,
-        "step_mode": mode if not runner.fallbacks else f"{mode} (plain for {len(runner.fallbacks)} buckets)",
+        "step_mode": chosen if not runner.fallbacks else f"{mode}, capture failed: plain from then on",
+        "probe_images_per_s": {
+            "plain": round(plain_rate[0], 1),
+            "graph": round(probe[0], 1) if probe is not None and mode == "graph" else None,
+        },
         "graph_capture_seconds": round(runner.capture_seconds, 1),
         "graph_fallbacks": {buckets[i].name: why for i, why in runner.fallbacks.items()},
         "data_wait_seconds": round(prefetch.wait_s, 1),

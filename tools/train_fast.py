@@ -269,8 +269,8 @@ class StepRunner:
     for warm-up), then the whole step is captured once and every later batch of that bucket is copied into the
     static inputs and replayed: one launch per step instead of thousands. All graphs share one memory pool; that
     is safe because each replay's outputs are read (accumulated into `totals`) before the next replay, and
-    parameters, optimizer state and inputs live outside the pool. A bucket whose capture fails runs plainly
-    (recorded in `fallbacks`). mode "plain": the same step without graphs."""
+    parameters, optimizer state and inputs live outside the pool. If a capture fails, every later step runs
+    plainly (the failure is kept in `fallbacks`). mode "plain": the same step without graphs."""
 
     def __init__(
         self,
@@ -344,9 +344,10 @@ class StepRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 captured = self._body(static, bucket)
             self.graphs[index] = (graph, static, captured)
-        except Exception as exc:  # noqa: BLE001 - any capture failure: this bucket runs plainly
+        except Exception as exc:  # noqa: BLE001 - any capture failure: plain steps from here on, for every bucket
             self.fallbacks[index] = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"CUDA graph capture failed for bucket {bucket.name}, running it plainly: {self.fallbacks[index]}")
+            print(f"CUDA graph capture failed for bucket {bucket.name}; plain steps from now: {self.fallbacks[index]}")
+            self.mode = "plain"
             torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's blocks: the graphs' pool holds what the replays need
         self.capture_seconds += time.perf_counter() - start
