@@ -238,6 +238,7 @@ class StreamConfig:
     confusable: float = 0.5  # share of scenes drawn from few colours and shapes
     aux_labels: str = "object"
     background_reuse: float = 4.0  # mean uses of a rendered background (1: every scene its own)
+    text_boost: float = 0.5  # chance that an object without a label gets one: reading has the fewest questions
 
 
 class BackgroundCache:
@@ -285,6 +286,9 @@ class BatchStream(IterableDataset):
                 scene = sv.confusable_scene(rng, size=size)
             else:
                 scene = sv.make_scene(rng, size=size)
+            for obj in scene.objects:  # the label area is reserved below every object, so any may get one
+                if obj.text is None and rng.random() < self.config.text_boost:
+                    obj.text = rng.choice(TEXT_CLASSES)
             turns = pick_turns(sv.training_qas(scene, rng), rng, bucket.slots)
             images[i] = np.asarray(sv.render(scene, self.backgrounds.get(scene, rng)))
             ids[i], targets[i], real[i] = encode_sample(self.encoder, bucket, turns)

@@ -284,6 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slot-len", type=int, default=24, help="tokens per turn slot")
     parser.add_argument("--confusable", type=float, default=0.5, help="share of scenes from few colours and shapes")
     parser.add_argument("--background-reuse", type=float, default=4.0, help="mean uses of a rendered background")
+    parser.add_argument("--text-boost", type=float, default=0.5, help="chance a label-less object gets a label")
     parser.add_argument("--aux-labels", choices=("object", "cell"), default="object")
     parser.add_argument("--aux-weight", type=float, default=0.5)
     parser.add_argument("--balance-weight", type=float, default=0.01, help="router load-balancing loss weight")
@@ -341,9 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fused=cuda,
         capturable=cuda,
     )
-    stream = D.BatchStream(
-        D.StreamConfig(args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse), processor
+    config = D.StreamConfig(
+        args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse, args.text_boost
     )
+    stream = D.BatchStream(config, processor)
     loader = DataLoader(
         stream,
         batch_size=None,
@@ -374,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     probe: tuple[float, float] | None = None  # the same for the mode that then trains
     chosen = mode
     stopped_by = "steps"
+    good = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}  # the last finite weights
+    good_step = 0
 
     def rate_since(mark: tuple[float, int, int] | None) -> tuple[float, float]:
         """(images/s, seconds/step) since `mark`."""
@@ -478,6 +482,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             log.append(entry)
             last_log_step, last_totals = step, runner.totals.clone()
+            if not math.isfinite(entry["loss"]):  # keep the last good weights rather than ship a broken model
+                print(f"non-finite loss at step {step}: back to the weights of step {good_step}, training stops")
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(good[name])
+                stopped_by = f"non-finite loss at step {step} (weights of step {good_step} kept)"
+                break
+            if step - good_step >= 100:
+                good = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+                good_step = step
             print(
                 f"step {step} ({phase}) loss {entry['loss']:.3f} answers {entry['answer_loss']:.3f} "
                 f"acc {entry['answer_acc']:.3f} tokens {entry['token_loss']:.3f} balance {entry['balance_loss']:.2f} "
