@@ -18,7 +18,8 @@ Recipe (docs/training/README.md says why):
 - loss: cross-entropy on the answer tokens and their <|im_end|>, a per-layer router load-balancing loss (0.01),
   and per-token auxiliary probes on the vision tower's merged tokens (object identity of each 32x32 cell);
 - step (tools/train_fast.py): static shapes, dense experts, bf16 autocast, fused AdamW, captured as one CUDA
-  graph per bucket (falling back to plain steps where capture fails); the first seconds run plainly as a probe.
+  graph per bucket. The first `--probe-seconds` run plainly (the probe's plain path), then as graphs; the faster
+  of the two trains on, and a failed capture turns every later step plain; the log and `--profile-json` say which.
 
 The model: 8 MoE layers, 32 experts, top-4, hidden 192, expert width 48 (10.5 M parameters, 21 MB in bf16), vision
 tower of depth 4 with DeepStack, patch 16 merged 2x2 (one LLM token per 32x32 pixels).
@@ -462,8 +463,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 plain_rate = probe
             elif runner.mode == "graph" and plain_rate[0] > 1.05 * probe[0]:
                 print(f"plain steps were faster ({plain_rate[0]:.0f} against {probe[0]:.0f} img/s): plain from now")
+                close_phase("graph")
                 runner = switch(runner, "plain")
                 chosen = "plain (faster than the graphs)"
+                phase, phase_t, phase_step, phase_images, phase_wait = (
+                    "plain after the probe",
+                    time.perf_counter(),
+                    step,
+                    images,
+                    prefetch.wait_s,
+                )
             per_step = plain_rate[1] if runner.mode == "plain" else probe[1]
             if args.steps == "auto":
                 total = step + int(0.97 * (deadline - time.time()) / per_step)
