@@ -200,7 +200,13 @@ def profile_summary(prof: Any, steps: int, wall_s: float, images: int) -> dict[s
         "host_op_ms_per_step": round(host_us / steps / 1000, 2),
         "gpu_busy_share": round(gpu_us / 1e6 / wall_s, 3) if wall_s > 0 else None,
         "images_per_s": round(images / wall_s, 1) if wall_s > 0 else None,
-        "kernel_launches_per_step": round(sum(e.count for e in events if device_us(e) > 0) / steps, 1),
+        "gpu_kernels_per_step": round(sum(e.count for e in events if device_us(e) > 0) / steps, 1),
+        # what the host issued: one cudaGraphLaunch a step for a replayed graph, thousands of kernel launches without
+        "host_launch_calls_per_step": {
+            e.key: round(e.count / steps, 1)
+            for e in events
+            if e.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraph"))
+        },
         "top_gpu_kernels_ms_per_step": {e.key[:90]: round(device_us(e) / steps / 1000, 3) for e in top_gpu},
         "top_host_ops_ms_per_step": {e.key[:90]: round(e.self_cpu_time_total / steps / 1000, 3) for e in top_host},
     }
