@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -105,6 +106,27 @@ def test_evaluate_on_a_hand_made_set() -> None:
     assert report.experts["hit_rate"] == pytest.approx(0.75)
     assert report.visual_tokens_mean == 3
     assert engine.experts.route_hooks == []  # the counter is removed afterwards
+    # time per question, split into image + processor, prefill and decode
+    assert report.prefill_ms_mean == pytest.approx(10.0) and report.decode_ms_mean == 0.0
+    assert [r["prefill_ms"] for r in seen] == [10.0] * 4
+    assert 0 <= report.prep_ms_mean and report.seconds_per_question == pytest.approx(report.seconds / 4)
+    assert {"seconds_per_question", "prefill_ms_mean", "prep_ms_mean", "threads"} <= set(report.as_dict())
+
+
+def test_choose_threads(monkeypatch) -> None:
+    from vismmoe_edge.evaluation.vqa import choose_threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert choose_threads("auto", "cpu") == 2  # an idle machine: every core
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.1, 0.0, 0.0))
+    assert choose_threads("auto", "cpu") == 1  # one core busy elsewhere: one thread, none waiting for it
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.5, 0.0, 0.0))
+    assert choose_threads("auto", "cpu") == 1
+    assert choose_threads("3", "cpu") == 3 and choose_threads("default", "cpu") is None
+    with pytest.raises(VismmoeError, match="threads"):
+        choose_threads("many", "cpu")
 
 
 # --- user data ------------------------------------------------------------------------------------------------

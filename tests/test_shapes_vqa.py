@@ -242,3 +242,131 @@ def test_write_split_and_cli(tmp_path: Path) -> None:
     sv.main([str(tmp_path / "cli"), "--split", "shifted", "--n", "3"])
     assert len((tmp_path / "cli" / "shifted" / "questions.jsonl").read_text().splitlines()) == 3
     assert len(list((tmp_path / "cli" / "shifted" / "images").glob("*.png"))) == 3
+
+
+# --- rendering is unchanged by the faster background code ----------------------------------------------------
+
+# md5 of the rendered pixels, recorded with the full-coordinate-grid background code these splits were made with
+# (before the per-row/per-column rewrite); bg-i: a scene of tests' own rng with background kind i forced.
+RENDER_DIGESTS = {
+    "test-00000": "db3b58364d75dd17bf111eec8f9631fc",
+    "test-00001": "24aaf8ce76579a6127d71a021172b193",
+    "test-00002": "91f835316390fc9c8c0282540972e054",
+    "test-00003": "a321eda7633b0f5b8a3210a979cd2517",
+    "shifted-00000": "4e47077d68b93303a7e1aabb8b09d735",
+    "shifted-00001": "e175556860c33bdcc3d22550d877d847",
+    "validation-00000": "ebfe5ce1361c81df807f656b6bd9940e",
+    "bg-0": "a75f891905b7ae21b3d1b0222620aee5",
+    "bg-1": "025e603ca6d1c807a4987671cc6dcc1b",
+    "bg-2": "c7f05ff653b30882eaf1636499b1c14a",
+    "bg-3": "f177ed6021d4f38492af24f456183543",
+    "bg-4": "b89075201f2e28bb8656d0615cc265e2",
+    "bg-5": "df3964443946a2f6cd437205fabe120c",
+    "bg-6": "dad05e980c7cc047b6a4b3c96d909673",
+}
+
+
+def test_render_digests_unchanged() -> None:
+    import hashlib
+
+    def digest(scene: sv.Scene) -> str:
+        return hashlib.md5(np.asarray(sv.render(scene)).tobytes()).hexdigest()
+
+    for split in ("test", "shifted", "validation"):
+        seed, _ = sv.SPLITS[split]
+        for e in sv.generate_split(split, 4, seed, shifted=split in sv.SHIFTED_SPLITS):
+            if e.id in RENDER_DIGESTS:
+                assert digest(e.scene) == RENDER_DIGESTS[e.id], e.id
+    kinds = sv.BACKGROUNDS + sv.SHIFTED_BACKGROUNDS
+    rng = random.Random(5)
+    for i in range(7):
+        scene = sv.make_scene(rng, shifted=i % 3 == 0)
+        scene.background = kinds[i]
+        assert digest(scene) == RENDER_DIGESTS[f"bg-{i}"], kinds[i]
+
+
+def test_render_with_a_given_background() -> None:
+    scene = sv.make_scene(random.Random(3), size=(512, 448))
+    assert (scene.width, scene.height) == (512, 448)
+    assert np.array_equal(np.asarray(sv.render(scene, sv._background(scene))), np.asarray(sv.render(scene)))
+
+
+# --- training data ---------------------------------------------------------------------------------------------
+
+
+def training_scenes(n: int) -> list[sv.Scene]:
+    rng = random.Random(11)
+    sizes = [(448, 448), (640, 1056), (1056, 864)]
+    return [
+        sv.confusable_scene(rng, size=sizes[i % 3]) if i % 2 else sv.make_scene(rng, size=sizes[i % 3])
+        for i in range(n)
+    ]
+
+
+def test_existence_training_qas_balanced_hard_negatives() -> None:
+    hard = easy = 0
+    for scene in training_scenes(60):
+        qas = sv.existence_training_qas(scene, random.Random(len(scene.objects)))
+        answers = Counter(qa.answer for qa in qas)
+        assert answers["yes"] == answers["no"] >= 1  # exactly balanced in every scene
+        assert len({qa.question for qa in qas}) == len(qas)
+        pixels = np.asarray(sv.render(scene))
+        colors = {o.color for o in scene.objects}
+        shapes = {o.shape for o in scene.objects}
+        for qa in qas:
+            color, shape = re.fullmatch(r"Is there an? (\w+) (\w+) in the image\?", qa.question).groups()
+            objs = [o for o in scene.objects if o.color == color and o.shape == shape]
+            assert qa.answer == ("yes" if objs else "no")
+            if objs:  # the object is in the image: its colour at its centre, its shape from its pixels
+                assert nearest_palette(pixels[objs[0].y, objs[0].x]) == color
+                assert shape_from_pixels(pixels, objs[0]) == shape
+            elif color in colors and shape in shapes:
+                hard += 1  # both words are in the scene, on different objects
+            else:
+                easy += 1
+    assert hard > easy > 0  # most negatives are hard ones; random absent pairs (as the test asks) too
+
+
+def test_training_qas_answers_rederived() -> None:
+    families = Counter()
+    forms = Counter()
+    for scene in training_scenes(40):
+        pixels = np.asarray(sv.render(scene))
+        by_family = sv.training_qas(scene, random.Random(1))
+        assert set(by_family) == set(sv.FAMILIES)
+        for family, qas in by_family.items():
+            for qa in qas:
+                families[family] += 1
+                assert qa.family == family
+                bound = r"What colour is the (small|large|leftmost|rightmost|highest) (\w+)\?"
+                if m := re.fullmatch(bound, qa.question):
+                    word, shape = m.groups()
+                    same = [o for o in scene.objects if o.shape == shape]
+                    assert len(same) >= 2  # a lone shape is asked the test's way
+                    if word in sv.SIZES:
+                        (obj,) = [o for o in same if o.size == word]
+                    else:
+                        key, sign = {"leftmost": ("x", 1), "rightmost": ("x", -1), "highest": ("y", 1)}[word]
+                        obj = min(same, key=lambda o: sign * getattr(o, key))
+                        others = sorted(sign * getattr(o, key) for o in same)
+                        assert others[1] - others[0] >= sv.MIN_OFFSET
+                    assert nearest_palette(pixels[obj.y, obj.x]) == qa.answer
+                    forms["bound colour"] += 1
+                elif m := re.fullmatch(r"How many (\w+) (circle|square|triangle)s are there\?", qa.question):
+                    color, shape = m.groups()
+                    expected = sum(shape_from_pixels(pixels, o) == shape and o.color == color for o in scene.objects)
+                    assert qa.answer == str(expected)
+                    forms["conjunction count"] += 1
+                else:
+                    check_answer(scene, pixels, qa.question, qa.answer, qa.family)
+    assert forms["bound colour"] > 20 and forms["conjunction count"] > 50
+    assert set(families) == set(sv.FAMILIES)
+
+
+def test_confusable_scenes_repeat_colours_and_shapes() -> None:
+    rng = random.Random(2)
+    for _ in range(20):
+        scene = sv.confusable_scene(rng, size=(864, 864))
+        assert (scene.width, scene.height) == (864, 864)
+        assert 3 <= len(scene.objects) <= 6
+        assert len({o.color for o in scene.objects}) <= 3 and len({o.shape for o in scene.objects}) <= 3

@@ -1,59 +1,76 @@
-"""Train the shipped demo model: a small Qwen3-VL-MoE, from scratch, on the Shapes-VQA training stream.
+"""Train the shipped demo model (a small Qwen3-VL-MoE) on the Shapes-VQA training stream; resume or start fresh.
 
-    python tools/training/train_demo.py OUT_DIR [--steps auto|N] [--minutes 6.5] [--seed 0]
+    python tools/training/train_demo.py OUT_DIR [--init vismmoe_edge/demo_model|DIR|fresh] [--minutes 6] \
+        [--steps auto|N]
+    python tools/training/train_demo.py OUT_DIR --smoke        # CPU: a few tiny steps through the whole script
 
-Runs on one CUDA GPU (the H200 server: ~7 minutes). Everything is drawn from `--seed`: the weights' init, the data
-stream (train-seed scenes, disjoint from the validation/test/shifted seeds), dropout-free training order. With
-`--steps auto` it times the first steps and picks the step count that fits `--minutes`; the chosen count is
-written to OUT_DIR/training.json, and passing it back as `--steps N` repeats the recipe.
+Runs on one CUDA GPU (the H200 of the device tool: tools/training/device_train_demo.sh). By default it resumes from the
+shipped checkpoint (weights and tokenizer; the optimizer starts afresh with a warm-up) and appends this run to the
+lineage in OUT_DIR/training.json: recipe, seed, step count, data version, the checkpoint it resumed from (with its
+digest), throughput and a quick GPU evaluation. `--steps auto` measures the step rate in the first seconds and
+fixes the step count that fits `--minutes`; `--steps N --warmup W` with the recorded numbers repeats a run's
+schedule.
 
-Recipe, chosen for sample efficiency in a few minutes:
-- each training sequence is one image followed by up to `--qas` question/answer turns (the image is the expensive
-  part, so every image pays for ten answers); evaluation asks one question per image, as the first turn does;
-- loss on the assistant answers (and their end-of-turn token) only, plus transformers' router load-balancing loss;
-- the tokenizer is a byte-level BPE trained on the task's own vocabulary, so every answer is a single token.
+Recipe (docs/training/README.md says why):
+- data (tools/training/train_data.py, DATA_VERSION): whole batches of one image size (buckets) made by worker processes,
+  each image followed by `--slots` independent question turns (each sees only the image, as eval asks); half the
+  scenes confusable (few colours and shapes); existence balanced yes/no with hard negatives; colour questions
+  that name the object by shape and size or position; counts of colour-shape conjunctions;
+- loss: cross-entropy on the answer tokens and their <|im_end|>, a per-layer router load-balancing loss (0.01),
+  and per-token auxiliary probes on the vision tower's merged tokens (object identity of each 32x32 cell);
+- step (tools/training/train_fast.py): static shapes, dense experts, bf16 autocast, fused AdamW, captured as one CUDA
+  graph per bucket. The first `--probe-seconds` run plainly (the probe's plain path), then as graphs; the faster
+  of the two trains on, and a failed capture turns every later step plain; the log and `--profile-json` say which.
 
-The model: 8 MoE layers, 32 experts, top-4, hidden 192, expert width 48 (about 10 M parameters, ~20 MB in bf16),
-vision tower of depth 4 with DeepStack, patch 16 merged 2x2 (one LLM token per 32x32 pixels).
+The model: 8 MoE layers, 32 experts, top-4, hidden 192, expert width 48 (10.5 M parameters, 21 MB in bf16), vision
+tower of depth 4 with DeepStack, patch 16 merged 2x2 (one LLM token per 32x32 pixels).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
-import multiprocessing
+import os
 import random
+import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from tqdm import tqdm
+from torch.utils.data import DataLoader
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import train_data as D  # noqa: E402
+import train_fast as F  # noqa: E402
+
+from vismmoe_edge.demo import TRAINED_DEMO_DIR  # noqa: E402
 from vismmoe_edge.evaluation import shapes_vqa as sv  # noqa: E402
 from vismmoe_edge.evaluation.scoring import Scoreboard  # noqa: E402
-from vismmoe_edge.prompt import build_messages  # noqa: E402
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor  # noqa: E402
 from vismmoe_edge.testing.tiny_qwen3_vl_moe import (  # noqa: E402
     CHAT_TEMPLATE,
     build_offline_processor,
     build_offline_tokenizer,
-    tiny_config,  # noqa: E402
+    tiny_config,
 )
 
 MIN_PIXELS = 32 * 32 * 4
 MAX_PIXELS = 32 * 32 * 1089  # the largest Shapes-VQA image (1056 x 1056) passes unresized
 TOKENIZER_VOCAB = 700
+MAX_BF16_BYTES = 24_000_000
+MAX_SHARD_BYTES = 16_000_000
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tokenizer, processor, config
+# Tokenizer, processor, config (a fresh model); a resumed one keeps its checkpoint's
 
 
 def task_corpus(seed: int = 0, n_scenes: int = 400) -> list[str]:
@@ -64,11 +81,19 @@ def task_corpus(seed: int = 0, n_scenes: int = 400) -> list[str]:
         scene, qas = sv.make_example(rng, shifted=rng.random() < 0.2)
         lines += [qa.question for qa in qas]
         lines += [qa.answer for qa in qas]
-        lines += [CAPTION_QUESTION, caption(scene)]
+        lines += ["List the objects from left to right.", caption(scene)]
     words = list(sv.PALETTE) + list(sv.SHAPES) + list(sv.WORDS) + [str(d) for d in range(10)] + ["yes", "no"]
     lines += words * 20  # bare, as they follow "assistant\n" (no leading space)
     lines += ["user", "assistant", "system", "You are a helpful assistant.", "Describe the image."] * 20
     return lines
+
+
+def caption(scene: sv.Scene) -> str:
+    """Every object, left to right (the corpus of the shipped tokenizer included these captions)."""
+    parts = [
+        f"{o.color} {o.shape}" + (f" {o.text}" if o.text else "") for o in sorted(scene.objects, key=lambda o: o.x)
+    ]
+    return ", ".join(parts)
 
 
 def build_processor():
@@ -77,7 +102,7 @@ def build_processor():
 
 
 def model_config(tokenizer) -> Qwen3VLMoeConfig:
-    """The shipped model's shape: demo.tiny_config, widened (see the module docstring)."""
+    """The shipped model's shape: demo.tiny_config, widened."""
     return tiny_config(
         num_layers=8,
         num_experts=32,
@@ -104,387 +129,477 @@ def model_config(tokenizer) -> Qwen3VLMoeConfig:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Data
+def weights_digest(model_dir: Path) -> str:
+    h = hashlib.sha256()
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        h.update(shard.read_bytes())
+    return h.hexdigest()[:16]
 
 
-CAPTION_QUESTION = "List the objects from left to right."
+def code_digest() -> str:
+    """The training code and data generator this run used (the device copy of the tree has no git history)."""
+    h = hashlib.sha256()
+    sources = (
+        "tools/training/train_demo.py",
+        "tools/training/train_data.py",
+        "tools/training/train_fast.py",
+        "vismmoe_edge/evaluation/shapes_vqa.py",
+    )
+    for rel in sources:
+        h.update((ROOT / rel).read_bytes())
+    return h.hexdigest()[:16]
 
 
-def caption(scene: sv.Scene) -> str:
-    """Every object, left to right, as "colour shape [text]": dense supervision that grounds the vision tower."""
-    parts = []
-    for obj in sorted(scene.objects, key=lambda o: o.x):
-        parts.append(f"{obj.color} {obj.shape}" + (f" {obj.text}" if obj.text else ""))
-    return ", ".join(parts)
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
-def training_qas(scene: sv.Scene, rng: random.Random, limit: int) -> list[sv.QA]:
-    """Up to `limit` turns about one scene: questions with families interleaved so none dominates (counts are
-    plentiful), then the caption. The caption comes last because it states every answer: anywhere earlier, the
-    later answers can be copied from its text instead of found in the image (attempts 2 and 4 learned that)."""
-    qas = sv.questions_for(scene, rng) + sv._existence_qas(scene, rng) + sv._existence_qas(scene, rng)
-    by_family: dict[str, list[sv.QA]] = defaultdict(list)
-    for qa in qas:
-        if qa.question not in {q.question for q in by_family[qa.family]}:
-            by_family[qa.family].append(qa)
-    for group in by_family.values():
-        rng.shuffle(group)
-    families = list(by_family)
-    rng.shuffle(families)
-    picked: list[sv.QA] = []
-    describe = sv.QA(CAPTION_QUESTION, caption(scene), "caption")
-    while len(picked) < limit - 1 and any(by_family.values()):
-        for family in families:
-            if by_family[family] and len(picked) < limit - 1:
-                picked.append(by_family[family].pop())
-    return picked + [describe]
-
-
-TEXT_CLASSES = [str(d) for d in range(10)] + list(sv.WORDS)
-AUX_CLASSES = (len(sv.PALETTE) + 1, len(sv.SHAPES) + 1, len(TEXT_CLASSES) + 1)  # class 0 = nothing there
-
-
-def _cell_share(mask: np.ndarray, grid: tuple[int, int, int, int]) -> torch.Tensor:
-    """Share of True pixels in each cell of a crop shaped (rows, cell, cols, cell)."""
-    return torch.from_numpy(mask.reshape(grid).mean(axis=(1, 3)))
-
-
-def token_labels(scene: sv.Scene, image) -> torch.Tensor:
-    """[tokens, 3] labels (colour, shape, text) of each 32x32-pixel visual token, in the raster order the vision
-    tower emits merged tokens, from the rendered pixels: an object labels the cells where at least a fifth of the
-    pixels are its exact colour; a text labels the cells that hold its ink. A dense auxiliary target for the
-    vision tower; the auxiliary head is thrown away after training."""
-    px = np.asarray(image, dtype=np.uint8)
-    rows, cols = scene.height // sv.TOKEN_PX, scene.width // sv.TOKEN_PX
-    labels = torch.zeros(rows, cols, 3, dtype=torch.long)
-    colors, shapes, cell = list(sv.PALETTE), list(sv.SHAPES), sv.TOKEN_PX
-
-    for obj in scene.objects:
-        # The object's box, widened to whole cells; only that crop is examined.
-        x0, y0, x1, y1 = obj.box()
-        r0, r1 = max(0, y0 // cell), min(rows, y1 // cell + 1)
-        c0, c1 = max(0, x0 // cell), min(cols, x1 // cell + 1)
-        crop = px[r0 * cell : r1 * cell, c0 * cell : c1 * cell]
-        ys = np.arange(r0 * cell, r1 * cell).reshape(-1, 1)
-        grid = (r1 - r0, cell, c1 - c0, cell)
-        body = _cell_share((crop == sv.PALETTE[obj.color]).all(-1), grid) >= 0.2
-        labels[r0:r1, c0:c1, 0][body] = colors.index(obj.color) + 1
-        labels[r0:r1, c0:c1, 1][body] = shapes.index(obj.shape) + 1
-        if obj.text is not None:
-            ink = _cell_share((crop == sv.TEXT_RGB).all(-1) & (ys > obj.y + obj.radius), grid) >= 0.03
-            labels[r0:r1, c0:c1, 2][ink] = TEXT_CLASSES.index(obj.text) + 1
-    return labels.view(-1, 3)
-
-
-def encode_conversation(processor, image, qas: list[sv.QA]) -> dict[str, torch.Tensor]:
-    """One image, then Q/A turns; labels are the answer tokens and their <|im_end|>, -100 elsewhere.
-
-    Pixels come back patchified but not rescaled or normalised, as uint8: a quarter of the bytes through the
-    loader's shared memory (it was the bottleneck); `normalize_pixels` finishes the job on the GPU."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": qas[0].question}]}]
-    messages.append({"role": "assistant", "content": qas[0].answer})
-    for qa in qas[1:]:
-        messages += [{"role": "user", "content": qa.question}, {"role": "assistant", "content": qa.answer}]
-    text = processor.apply_chat_template(messages, tokenize=False)
-    enc = processor(text=[text], images=[image], return_tensors="pt", do_rescale=False, do_normalize=False)
-    ids = enc["input_ids"][0]
-    labels = torch.full_like(ids, -100)
-    tok = processor.tokenizer
-    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    header = tok("assistant\n", add_special_tokens=False)["input_ids"]
-    i = 0
-    n = len(ids)
-    while i < n:
-        if ids[i] == im_start and ids[i + 1 : i + 1 + len(header)].tolist() == header:
-            j = i + 1 + len(header)
-            while j < n and ids[j] != im_end:
-                labels[j] = ids[j]
-                j += 1
-            if j < n:
-                labels[j] = ids[j]
-            i = j
-        i += 1
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "mm_token_type_ids": enc["mm_token_type_ids"][0],
-        "pixel_values": enc["pixel_values"].to(torch.uint8),
-        "image_grid_thw": enc["image_grid_thw"],
-    }
-
-
-def normalize_pixels(raw: torch.Tensor) -> torch.Tensor:
-    """The processor's rescale (1/255) and normalise (mean 0.5, std 0.5), applied to uint8 patches."""
-    return (raw.float() * (1 / 255) - 0.5) / 0.5
-
-
-SMALL_SIDES = tuple(side for side in sv.SIDES if side <= 640)  # 196-400 visual tokens
-
-
-class TrainStream(IterableDataset):
-    """An endless stream of training conversations from the train seed; each worker draws its own substream.
-
-    While `small_phase` (shared with the training loop) is 1, images are at most 640 px a side: cheaper steps,
-    and fewer tokens to search while the model learns to look; then the full size range."""
-
-    def __init__(self, seed: int, qas_per_image: int):
-        self.seed = seed
-        self.qas_per_image = qas_per_image
-        self.processor = build_processor()
-        self.small_phase = multiprocessing.Value("b", 1)
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        train_seed = sv.SPLITS["train"][0]
-        for i in range(10**12):
-            rng = random.Random(f"{train_seed}:stream:{self.seed}:{worker}:{i}")
-            scene = sv.make_scene(rng, sides=SMALL_SIDES if self.small_phase.value else sv.SIDES)
-            qas = training_qas(scene, rng, self.qas_per_image)
-            image = sv.render(scene)
-            sample = encode_conversation(self.processor, image, qas)
-            sample["token_labels"] = token_labels(scene, image)
-            yield sample
-
-
-def collate(batch: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), n), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    token_types = torch.zeros((len(batch), n), dtype=torch.long)
-    for row, b in enumerate(batch):
-        k = len(b["input_ids"])
-        ids[row, :k], labels[row, :k], mask[row, :k] = b["input_ids"], b["labels"], 1
-        token_types[row, :k] = b["mm_token_type_ids"]
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "attention_mask": mask,
-        "mm_token_type_ids": token_types,
-        "pixel_values": torch.cat([b["pixel_values"] for b in batch]),
-        "image_grid_thw": torch.cat([b["image_grid_thw"] for b in batch]),
-        "token_labels": torch.cat([b["token_labels"] for b in batch]),
-    }
-
-
-class AuxiliaryHead(torch.nn.Module):
-    """Linear probes on the vision tower's merged tokens (its `merger` output): colour, shape and text of what
-    each token covers. A forward hook catches the merger's output during the normal model forward."""
-
-    def __init__(self, model: Qwen3VLMoeForConditionalGeneration) -> None:
-        super().__init__()
-        width = model.config.text_config.hidden_size
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for n in AUX_CLASSES)
-        self.features: torch.Tensor | None = None
-        model.model.visual.merger.register_forward_hook(self._catch)
-
-    def _catch(self, module, args, output) -> None:
-        self.features = output
-
-    def loss(self, labels: torch.Tensor) -> torch.Tensor:
-        feats = self.features.float()
-        if feats.shape[0] != labels.shape[0]:
-            raise RuntimeError(f"{feats.shape[0]} merged tokens but {labels.shape[0]} token labels")
-        return sum(torch.nn.functional.cross_entropy(head(feats), labels[:, i]) for i, head in enumerate(self.heads))
+def load_init(init: str, device: torch.device) -> tuple[Any, Any, dict[str, Any]]:
+    """(model in fp32, processor, where it came from). `fresh`: new weights from --seed, tokenizer rebuilt."""
+    if init == "fresh":
+        processor = build_processor()
+        model = Qwen3VLMoeForConditionalGeneration(model_config(processor.tokenizer))
+        return model.to(device), processor, {"init": "fresh"}
+    path = Path(init)
+    processor = load_processor(path)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    lineage = []
+    record_path = path / "training.json"
+    if record_path.is_file():
+        previous = json.loads(record_path.read_text())
+        # format 1 (attempt 6) was one run's record; format 2 holds the list
+        lineage = previous["runs"] if "runs" in previous else [dict(previous, run="attempt 6")]
+    source = {"init": str(path), "weights_sha256_16": weights_digest(path), "runs_before": len(lineage)}
+    return model.to(device), processor, {"source": source, "lineage": lineage}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Training and a quick GPU evaluation
+# Schedule, profile
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
+    """Linear warm-up, then cosine from peak to floor * peak at `total`."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def dense_experts_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """Every expert on every token as two large matmuls, mixed by the router weights (zero for experts a token
-    was not routed to). Same outputs and gradients as the sparse loop, but a handful of kernel launches instead
-    of thousands: a training step of this tiny model was bound by launch overhead
-    (tools/training/profile_train_step.py)."""
-    tokens, hidden_size = hidden.shape
-    num_experts, two_i, _ = self.gate_up_proj.shape
-    weights = torch.zeros(tokens, num_experts, device=hidden.device, dtype=top_k_weights.dtype)
-    weights.scatter_(1, top_k_index, top_k_weights)
-    gate_up = (hidden @ self.gate_up_proj.reshape(num_experts * two_i, hidden_size).T).view(tokens, num_experts, two_i)
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = self.act_fn(gate) * up * weights.unsqueeze(-1).to(gate.dtype)  # [T, E, I]
-    down = self.down_proj.transpose(1, 2).reshape(num_experts * (two_i // 2), hidden_size)  # [E*I, H]
-    return (inner.reshape(tokens, -1) @ down.to(inner.dtype)).to(hidden.dtype)
+def profile_summary(prof: Any, steps: int, wall_s: float, images: int) -> dict[str, Any]:
+    """GPU kernel time against host time over a profiled window, and the top kernels and host ops."""
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    events = prof.key_averages()
+    gpu_us = sum(device_us(e) for e in events)
+    host_us = sum(float(e.self_cpu_time_total) for e in events)
+    top_gpu = sorted(events, key=device_us, reverse=True)[:15]
+    top_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {
+        "steps": steps,
+        "images": images,
+        "wall_ms_per_step": round(wall_s / steps * 1000, 2),
+        "gpu_kernel_ms_per_step": round(gpu_us / steps / 1000, 2),
+        "host_op_ms_per_step": round(host_us / steps / 1000, 2),
+        "gpu_busy_share": round(gpu_us / 1e6 / wall_s, 3) if wall_s > 0 else None,
+        "images_per_s": round(images / wall_s, 1) if wall_s > 0 else None,
+        "gpu_kernels_per_step": round(sum(e.count for e in events if device_us(e) > 0) / steps, 1),
+        # what the host issued: one cudaGraphLaunch a step for a replayed graph, thousands of kernel launches without
+        "host_launch_calls_per_step": {
+            e.key: round(e.count / steps, 1)
+            for e in events
+            if e.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraph"))
+        },
+        "top_gpu_kernels_ms_per_step": {e.key[:90]: round(device_us(e) / steps / 1000, 3) for e in top_gpu},
+        "top_host_ops_ms_per_step": {e.key[:90]: round(e.self_cpu_time_total / steps / 1000, 3) for e in top_host},
+    }
 
 
-def use_dense_experts(model: Qwen3VLMoeForConditionalGeneration) -> None:
-    for layer in model.model.language_model.layers:
-        layer.mlp.experts.forward = dense_experts_forward.__get__(layer.mlp.experts)
+class Prefetcher:
+    """Next batch copied to the GPU on a side stream while the current step runs; `wait_s` is the time the
+    training loop spent waiting for the data workers."""
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self.it = iter(loader)
+        self.device = device
+        self.stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.wait_s = 0.0
+        self.next: dict[str, torch.Tensor] | None = None
+        self._load()
+
+    def _load(self) -> None:
+        t = time.perf_counter()
+        batch = next(self.it)
+        self.wait_s += time.perf_counter() - t
+        if self.stream is None:
+            self.next = batch
+            return
+        bucket = batch.pop("bucket")  # stays on the host: reading it from the GPU would sync every step
+        with torch.cuda.stream(self.stream):
+            self.next = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        self.next["bucket"] = bucket
+
+    def get(self) -> dict[str, torch.Tensor]:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            for v in self.next.values():
+                if v.is_cuda:
+                    v.record_stream(torch.cuda.current_stream())
+        batch = self.next
+        self._load()
+        return batch
 
 
-def pick_experts_implementation(model: Qwen3VLMoeForConditionalGeneration, device: torch.device) -> str:
-    """grouped_mm where the kernel takes our fp32 master weights under autocast; else transformers' fallback."""
-    for impl in ("grouped_mm", "batched_mm", "eager"):
-        model.set_experts_implementation(impl)
-        try:
-            x = torch.randn(2, 16, model.config.text_config.hidden_size, device=device, requires_grad=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model.model.language_model.layers[0].mlp(x)
-            out.float().sum().backward()
-            return impl
-        except Exception as exc:  # noqa: BLE001 - any failure means "try the next implementation"
-            print(f"experts implementation {impl} unusable: {type(exc).__name__}: {exc}"[:200])
-    raise RuntimeError("no experts implementation works on this device")
+# ---------------------------------------------------------------------------------------------------------------
+# Quick evaluation
 
 
-@torch.no_grad()
-def quick_eval(model, processor, split: str, n: int, device: torch.device) -> dict[str, float]:
-    """Greedy answers to the first `n` examples of a split (one question per image, as `vismmoe-edge eval`)."""
+def quick_eval(fast: F.FastModel, split: str, n: int, deadline: float | None) -> dict[str, Any]:
+    """Per-family exact match on the first `n` questions of a split, one question per image (as `vismmoe-edge
+    eval`), greedy, through the training forward with the saved weights."""
     seed, _ = sv.SPLITS[split]
+    examples = sv.generate_split(split, n, seed, shifted=split in sv.SHIFTED_SPLITS)
+    start = time.perf_counter()
+    answers = F.greedy_answers(
+        fast,
+        [(e.scene, e.question) for e in examples],
+        sv.render,
+        autocast=fast.device.type == "cuda",
+        deadline=deadline,
+    )
     board = Scoreboard()
-    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for ex in tqdm(sv.generate_split(split, n, seed, shifted=split in sv.SHIFTED_SPLITS), desc=f"eval {split}"):
-        text = processor.apply_chat_template(build_messages(ex.question, 1), tokenize=False, add_generation_prompt=True)
-        enc = processor(text=[text], images=[sv.render(ex.scene)], return_tensors="pt").to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        answer = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        board.add(ex.family, answer, ex.answer)
-    return board.accuracy()
+    for e, a in zip(examples, answers, strict=True):
+        if a is not None:
+            board.add(e.family, a, e.answer)
+    return {"accuracy": board.accuracy(), "counts": board.counts(), "seconds": round(time.perf_counter() - start, 1)}
 
 
-def main(argv: list[str] | None = None) -> None:
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--init", default=str(TRAINED_DEMO_DIR), help="checkpoint to resume from, or 'fresh'")
     parser.add_argument("--steps", default="auto", help="optimizer steps, or 'auto' to fit --minutes")
-    parser.add_argument("--minutes", type=float, default=6.5, help="training time budget for --steps auto")
-    parser.add_argument("--batch", type=int, default=24, help="images per step")
-    parser.add_argument("--qas", type=int, default=14, help="question/answer turns per image")
-    parser.add_argument("--small-first", type=float, default=0.3, help="share of steps on images <= 640 px")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--minutes", type=float, default=6.0, help="training time (probe included) for --steps auto")
+    parser.add_argument("--deadline", type=float, default=None, help="wall-clock time (epoch s) training must end by")
+    parser.add_argument("--lr", type=float, default=None, help="peak lr (default 1.5e-3 resuming, 3e-3 fresh)")
+    parser.add_argument("--warmup", type=int, default=150)
+    parser.add_argument("--lr-floor", type=float, default=0.1, help="final lr as a share of the peak")
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--token-budget", type=int, default=160_000, help="LLM tokens per step (sets each batch)")
+    parser.add_argument("--sides", default="448,640,864,1056", help="bucket sides: every width x height pair")
+    parser.add_argument("--slots", type=int, default=16, help="question turns per image")
+    parser.add_argument("--slot-len", type=int, default=24, help="tokens per turn slot")
+    parser.add_argument("--confusable", type=float, default=0.5, help="share of scenes from few colours and shapes")
+    parser.add_argument("--background-reuse", type=float, default=4.0, help="mean uses of a rendered background")
+    parser.add_argument("--text-boost", type=float, default=0.5, help="chance a label-less object gets a label")
+    parser.add_argument("--aux-labels", choices=("object", "cell"), default="object")
+    parser.add_argument("--aux-weight", type=float, default=0.5)
+    parser.add_argument("--balance-weight", type=float, default=0.01, help="router load-balancing loss weight")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=14)
-    parser.add_argument("--eval-n", type=int, default=100, help="examples per split in the closing GPU check")
+    parser.add_argument("--workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
+    parser.add_argument("--step-mode", choices=("auto", "graph", "plain"), default="auto")
+    parser.add_argument("--probe-seconds", type=float, default=20.0, help="plain steps first, and graph rate window")
+    parser.add_argument("--eval-n", type=int, default=300, help="questions per split in the closing check")
+    parser.add_argument("--eval-seconds", type=float, default=100.0, help="time limit of the closing check")
+    parser.add_argument("--profile-json", type=Path, default=None, help="write the profile summary here")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--aux-weight", type=float, default=0.5, help="weight of the per-token auxiliary loss")
-    parser.add_argument("--dense-experts", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU: 2 steps of 2 images, 1 bucket, 6 eval questions")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.steps, args.sides, args.token_budget, args.slots = "cpu", "2", "448", 1, 4
+        args.workers, args.eval_n, args.warmup, args.probe_seconds = 0, 6, 1, 0.0
+    return args
 
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    t_launch = time.perf_counter()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    processor = build_processor()
-    tok = processor.tokenizer
-    config = model_config(tok)
-    model = Qwen3VLMoeForConditionalGeneration(config).to(device).train()
-    if args.dense_experts:
-        use_dense_experts(model)
-        impl = "dense (training only; the saved model routes sparsely)"
-    else:
-        impl = pick_experts_implementation(model, device) if device.type == "cuda" else "eager"
-        model.set_experts_implementation(impl)
-    aux = AuxiliaryHead(model).to(device)
+    random.seed(args.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    text_masks = D.pin_text_masks()
+    model, processor, origin = load_init(args.init, device)
+    resumed = args.init != "fresh"
+    peak_lr = args.lr if args.lr is not None else (1.5e-3 if resumed else 3e-3)
+    encoder = D.TurnEncoder(processor)
+    sides = tuple(int(s) for s in args.sides.split(","))
+    buckets = D.make_buckets(
+        sides, args.token_budget, args.slots, args.slot_len, len(encoder.prefix), 2 if args.smoke else 8
+    )
+    aux = F.AuxiliaryHead(model.config.text_config.hidden_size).to(device)
+    fast = F.FastModel(model, encoder, device, aux, args.aux_weight, args.balance_weight)
+    model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {n_params / 1e6:.2f} M ({2 * n_params / 1e6:.1f} MB in bf16), experts: {impl}")
+    print(f"parameters: {n_params / 1e6:.2f} M ({2 * n_params / 1e6:.1f} MB in bf16); init: {args.init}; {text_masks}")
+    print("buckets: " + ", ".join(f"{b.name}x{b.batch}" for b in buckets) + f"; {args.slots} turns of {args.slot_len}")
 
     named = list(model.named_parameters()) + list(aux.named_parameters(prefix="aux"))
+    params = [p for _, p in named]
     decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in named if p.ndim < 2 or "embed" in n]
+    cuda = device.type == "cuda"
+    lr_tensor = torch.tensor(peak_lr / args.warmup, device=device) if cuda else None
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr_tensor if cuda else peak_lr,
         betas=(0.9, 0.98),
-        fused=device.type == "cuda",
+        fused=cuda,
+        capturable=cuda,
     )
-    stream = TrainStream(args.seed, args.qas)
-    stream.small_phase.value = int(args.small_first > 0)
+    config = D.StreamConfig(
+        args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse, args.text_boost
+    )
+    stream = D.BatchStream(config, processor)
     loader = DataLoader(
         stream,
-        batch_size=args.batch,
+        batch_size=None,
         num_workers=args.workers,
-        collate_fn=lambda b: collate(b, tok.pad_token_id),
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if args.workers else None,
+        pin_memory=cuda,
+        prefetch_factor=2 if args.workers else None,
         persistent_workers=bool(args.workers),
     )
-    batches = iter(loader)
+    mode = args.step_mode if args.step_mode != "auto" else ("graph" if cuda else "plain")
+    runner = F.StepRunner(fast, params, opt, lr_tensor, "plain")
+    prefetch = Prefetcher(loader, device)
     total = 10**9 if args.steps == "auto" else int(args.steps)
-    log: list[dict[str, float]] = []
-    t_start = time.perf_counter()
-    t_probe = None
-    bar = tqdm(total=None if args.steps == "auto" else total, desc="train", mininterval=5)
-    step = 0
-    data_wait = 0.0
-    while step < total:
-        t_wait = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-        data_wait += time.perf_counter() - t_wait
-        batch["pixel_values"] = normalize_pixels(batch["pixel_values"])
-        labels = batch.pop("token_labels")
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, total if total < 10**9 else 4000, args.lr, args.warmup)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(**batch, output_router_logits=True)
-            aux_loss = aux.loss(labels)
-        (out.loss + args.aux_weight * aux_loss).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        if step % 25 == 0 or step == 1:
-            entry = {
-                "step": step,
-                "loss": out.loss.item(),
-                "aux_loss": out.aux_loss.item(),
-                "token_loss": aux_loss.item(),
-                "grad_norm": grad_norm.item(),
-                "lr": opt.param_groups[0]["lr"],
-                "seconds": time.perf_counter() - t_start,
-                "data_wait_seconds": data_wait,
-            }
-            log.append(entry)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}", tok=f"{entry['token_loss']:.3f}", wait=f"{data_wait:.0f}s")
-        if args.steps == "auto" and step == 30:
-            t_probe = time.perf_counter()
-        if args.steps == "auto" and step == 130:
-            # small-image steps are cheaper; full-size ones cost ~1.25x as much on the H200 (attempt 5)
-            per_step = (time.perf_counter() - t_probe) / 100
-            small = args.small_first if stream.small_phase.value else 0.0
-            total = int(args.minutes * 60 / (per_step * (small + 1.3 * (1 - small))))
-            print(f"\n{per_step * 1000:.0f} ms/step -> {total} steps in {args.minutes} min")
-        if stream.small_phase.value and step >= args.small_first * total:
-            stream.small_phase.value = 0  # batches already queued by workers still hold small images
-    bar.close()
-    train_seconds = time.perf_counter() - t_start
-    print(f"trained {step} steps in {train_seconds:.0f} s")
+    budget_s = args.minutes * 60
+    deadline = time.time() + budget_s if args.deadline is None else min(args.deadline, time.time() + budget_s)
 
+    log: list[dict[str, Any]] = []
+    phases: dict[str, dict[str, Any]] = {}
+    profiles: dict[str, Any] = {}
+    step = images = 0
+    t_train = time.perf_counter()
+    phase, phase_t, phase_step, phase_images, phase_wait = "plain", t_train, 0, 0, prefetch.wait_s
+    last_log_step, last_totals = 0, runner.totals.clone()
+    prof, prof_t, prof_step, prof_images = None, 0.0, 0, 0
+    profile_at = 3 if cuda else -1  # the plain phase's 4th step, and the graph phase's once all are captured
+    plain_mark: tuple[float, int, int] | None = None
+    graph_mark: tuple[float, int, int] | None = None
+    plain_rate = (0.0, 0.0)  # images/s and s/step of the plain probe
+    probe: tuple[float, float] | None = None  # the same for the mode that then trains
+    chosen = mode
+    stopped_by = "steps"
+    good = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}  # the last finite weights
+    good_step = 0
+
+    def rate_since(mark: tuple[float, int, int] | None) -> tuple[float, float]:
+        """(images/s, seconds/step) since `mark`."""
+        if mark is None or step <= mark[1]:
+            return 0.0, float("inf")
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - mark[0]
+        return (images - mark[2]) / dt, dt / (step - mark[1])
+
+    def switch(old: F.StepRunner, new_mode: str) -> F.StepRunner:
+        new = F.StepRunner(fast, params, opt, lr_tensor, new_mode)
+        new.totals, new.capture_seconds, new.fallbacks = old.totals, old.capture_seconds, old.fallbacks
+        return new
+
+    def close_phase(name: str) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - phase_t
+        if step > phase_step:
+            phases[name] = {
+                "steps": step - phase_step,
+                "images": images - phase_images,
+                "seconds": round(dt, 1),
+                "images_per_s": round((images - phase_images) / dt, 1),
+                "data_wait_s": round(prefetch.wait_s - phase_wait, 1),
+                "max_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+            }
+            print(f"{name}: {phases[name]}", flush=True)
+
+    def scheduled(at: int) -> float:
+        return lr_at(at, total if total < 10**9 else 4000, peak_lr, args.warmup, args.lr_floor)
+
+    while step < total:
+        if time.time() > deadline:
+            stopped_by = "time"
+            break
+        if phase == "plain" and mode == "graph" and time.perf_counter() - t_train > args.probe_seconds and step >= 10:
+            close_phase("plain")  # the plain probe is over: the same training continues as CUDA graphs
+            plain_rate = rate_since(plain_mark)
+            torch.cuda.empty_cache()
+            runner = switch(runner, "graph")
+            phase, phase_t, phase_step, phase_images, phase_wait = (
+                "graph",
+                time.perf_counter(),
+                step,
+                images,
+                prefetch.wait_s,
+            )
+            profile_at = -1  # set again once every bucket has its graph
+        batch = prefetch.get()
+        index = int(batch.pop("bucket"))
+        bucket = buckets[index]
+        runner.set_lr(scheduled(step))
+        if step == profile_at:
+            torch.cuda.synchronize()
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            prof.__enter__()
+            prof_t, prof_step, prof_images = time.perf_counter(), step, images
+        runner.step(index, bucket, batch)
+        step += 1
+        images += bucket.batch
+        if prof is not None and step - prof_step == 4:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            profiles[phase] = profile_summary(prof, 4, time.perf_counter() - prof_t, images - prof_images)
+            print(f"profile ({phase}): " + json.dumps({k: v for k, v in profiles[phase].items() if "top" not in k}))
+            prof = None
+            if phase == "graph":
+                graph_mark = (time.perf_counter(), step, images)  # the steady graph rate is measured from here
+        if phase == "plain" and step - phase_step == 7:
+            plain_mark = (time.perf_counter(), step, images)  # after warm-up and the profiled steps
+        if phase == "graph" and profile_at < 0 and (runner.mode == "plain" or len(runner.graphs) == len(buckets)):
+            profile_at = step + 1  # every bucket has its graph (or capture failed): profile the steady state
+        # the probes' verdict, once: the graph rate over --probe-seconds of steady replays against the plain rate
+        mark = graph_mark if phase == "graph" else plain_mark if mode != "graph" else None
+        if probe is None and mark is not None and time.perf_counter() - mark[0] >= args.probe_seconds:
+            probe = rate_since(mark)
+            if phase != "graph":
+                plain_rate = probe
+            elif runner.mode == "graph" and plain_rate[0] > 1.05 * probe[0]:
+                print(f"plain steps were faster ({plain_rate[0]:.0f} against {probe[0]:.0f} img/s): plain from now")
+                close_phase("graph")
+                runner = switch(runner, "plain")
+                chosen = "plain (faster than the graphs)"
+                phase, phase_t, phase_step, phase_images, phase_wait = (
+                    "plain after the probe",
+                    time.perf_counter(),
+                    step,
+                    images,
+                    prefetch.wait_s,
+                )
+            per_step = plain_rate[1] if runner.mode == "plain" else probe[1]
+            if args.steps == "auto":
+                total = step + int(0.97 * (deadline - time.time()) / per_step)
+            print(f"probe: {probe[0]:.0f} img/s, {per_step * 1000:.0f} ms/step -> {total} steps in all", flush=True)
+        if step % 25 == 0 or step == 1 or step == total:
+            now = runner.totals.tolist()
+            diff = [a - b for a, b in zip(now, last_totals.tolist(), strict=True)]
+            n = step - last_log_step
+            entry = {"step": step, "images": images, **{k: diff[i] / n for i, k in enumerate(F.METRICS)}}
+            entry.update(
+                grad_norm=diff[-1] / n,
+                lr=scheduled(step - 1),
+                seconds=round(time.perf_counter() - t_train, 1),
+                data_wait_s=round(prefetch.wait_s, 1),
+                mode=phase,
+            )
+            log.append(entry)
+            last_log_step, last_totals = step, runner.totals.clone()
+            if not math.isfinite(entry["loss"]):  # keep the last good weights rather than ship a broken model
+                print(f"non-finite loss at step {step}: back to the weights of step {good_step}, training stops")
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(good[name])
+                stopped_by = f"non-finite loss at step {step} (weights of step {good_step} kept)"
+                break
+            if step - good_step >= 100:
+                good = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+                good_step = step
+            print(
+                f"step {step} ({phase}) loss {entry['loss']:.3f} answers {entry['answer_loss']:.3f} "
+                f"acc {entry['answer_acc']:.3f} tokens {entry['token_loss']:.3f} balance {entry['balance_loss']:.2f} "
+                f"| {images / (time.perf_counter() - t_train):.0f} img/s, waited {prefetch.wait_s:.0f}s",
+                flush=True,
+            )
+    close_phase(phase)
+    train_seconds = time.perf_counter() - t_train
+    print(f"trained {step} steps ({images} images) in {train_seconds:.0f} s; stopped by {stopped_by}")
+
+    # ---- save (before the check, so a time-out in the check loses nothing) ----
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.dense_experts:  # back to transformers' own sparse experts for evaluation and saving
-        for layer in model.model.language_model.layers:
-            del layer.mlp.experts.forward
-    model.eval().to(torch.bfloat16)  # saved before the check, so a time-out during it loses nothing
+    model.eval().to(torch.bfloat16)
+    tok = processor.tokenizer
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir, max_shard_size="16MB")
     processor.chat_template = CHAT_TEMPLATE
     processor.save_pretrained(out_dir)
-    scores = {s: quick_eval(model, processor, s, args.eval_n, device) for s in ("validation", "shifted")}
-    print(json.dumps(scores, indent=1))
-    record = {
+    shards = {p.name: p.stat().st_size for p in sorted(out_dir.glob("*.safetensors"))}
+    if sum(shards.values()) > MAX_BF16_BYTES or max(shards.values()) > MAX_SHARD_BYTES:
+        raise RuntimeError(f"checkpoint over the size limits: {shards}")
+    throughput = {
+        "phases": phases,
+        "step_mode": chosen if not runner.fallbacks else f"{mode}, capture failed: plain from then on",
+        "probe_images_per_s": {
+            "plain": round(plain_rate[0], 1),
+            "graph": round(probe[0], 1) if probe is not None and mode == "graph" else None,
+        },
+        "graph_capture_seconds": round(runner.capture_seconds, 1),
+        "graph_fallbacks": {buckets[i].name: why for i, why in runner.fallbacks.items()},
+        "data_wait_seconds": round(prefetch.wait_s, 1),
+    }
+    run = {
+        "run": len(origin.get("lineage", [])) + 1,
         "recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "peak_lr": peak_lr,
+        "seed": args.seed,
         "steps": step,
+        "warmup": args.warmup,
+        "scheduled_steps": total if total < 10**9 else None,
+        "stopped_by": stopped_by,
+        "images": images,
         "train_seconds": round(train_seconds, 1),
-        "experts_implementation": impl,
+        "data_version": D.DATA_VERSION,
+        "text_masks": text_masks,
+        "resumed_from": origin.get("source", "fresh"),
+        "buckets": [f"{b.name}x{b.batch}" for b in buckets],
+        "code": {"git_commit": git_commit(), "code_sha256_16": code_digest()},
         "parameters": n_params,
-        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "shards": shards,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
-        "gpu_quick_eval": scores,
+        "transformers": __import__("transformers").__version__,
+        "throughput": throughput,
         "log": log,
     }
+    record = {"format": 2, "runs": origin.get("lineage", []) + [run]}
     (out_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+
+    def write_profile() -> None:
+        if args.profile_json is not None:
+            summary = {"device": run["device"], "torch": run["torch"], "throughput": throughput, "profiles": profiles}
+            args.profile_json.parent.mkdir(parents=True, exist_ok=True)
+            args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")
+
+    write_profile()  # now, so that a failure in the check below still leaves it
+
+    # ---- quick check on the GPU, with the weights as saved ----
+    eval_deadline = time.perf_counter() + args.eval_seconds
+    fast.aux = None
+    if not cuda:
+        model.float()  # CPU has no autocast here: weights and activations in one dtype
+    scores = {s: quick_eval(fast, s, args.eval_n, eval_deadline) for s in ("test", "shifted")}
+    for split, result in scores.items():
+        acc = result["accuracy"]
+        families = " ".join(f"{f} {v:.0%}" for f, v in acc.items() if f != "overall")
+        print(f"quick eval {split}: {acc['overall']:.1%} of {result['counts']['overall']} ({families})")
+    run["gpu_quick_eval"] = scores
+    run["wall_seconds"] = round(time.perf_counter() - t_launch, 1)
+    (out_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_profile()
+    return run
 
 
 if __name__ == "__main__":

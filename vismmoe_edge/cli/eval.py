@@ -55,6 +55,13 @@ def eval_command(
     salient_ratio: SalientRatioOpt = 0.3,
     affinity_weight: AffinityWeightOpt = 2.0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 8,
+    threads: Annotated[
+        str,
+        typer.Option(
+            "--threads",
+            help="CPU threads: auto (one per core other processes leave idle), default (torch's) or a number",
+        ),
+    ] = "auto",
     predictions: Annotated[
         Path | None, typer.Option("--predictions", help="write one JSON line per question as it is answered")
     ] = None,
@@ -63,7 +70,7 @@ def eval_command(
     """Score a model on Shapes-VQA or on your own images + JSONL: exact-match accuracy per family, routing
     concentration and expert traffic, with the same memory options as `run`."""
     from vismmoe_edge.compress.prune import CompressionConfig
-    from vismmoe_edge.evaluation.vqa import evaluate, format_report, load_items
+    from vismmoe_edge.evaluation.vqa import choose_threads, evaluate, format_report, load_items
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
@@ -73,6 +80,11 @@ def eval_command(
             raise VismmoeError("--questions goes with --data FOLDER")
         items = load_items(benchmark, split, data, questions, limit)
         title = str(data) if data is not None else f"shapes-vqa {split}"
+        thread_count = choose_threads(threads, device)
+        if thread_count is not None:
+            import torch
+
+            torch.set_num_threads(thread_count)
         options = load_options(locals())
         engine, plan_note = plan_and_load(model, options)
         sink = predictions.open("w") if predictions is not None else None
@@ -84,6 +96,11 @@ def eval_command(
                     sink.flush()  # a run stopped half-way keeps every answer so far
 
             report = evaluate(engine, items, max_new_tokens=max_new_tokens, on_prediction=write, progress=not as_json)
+            if thread_count is None and engine.device.type == "cpu":
+                import torch
+
+                thread_count = torch.get_num_threads()
+            report.threads = thread_count
         finally:
             if sink is not None:
                 sink.close()

@@ -13,6 +13,7 @@ object sizes and placements (near the edges) that the other splits never use, to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -144,20 +145,34 @@ def _sample_text(rng: random.Random) -> str | None:
     return None
 
 
-def make_scene(rng: random.Random, *, shifted: bool = False, sides: tuple[int, ...] = SIDES) -> Scene:
-    """`sides` narrows the image sizes (a training curriculum); the splits always use SIDES."""
-    width, height = rng.choice(sides), rng.choice(sides)
+def make_scene(
+    rng: random.Random,
+    *,
+    shifted: bool = False,
+    sides: tuple[int, ...] = SIDES,
+    size: tuple[int, int] | None = None,
+    colors: tuple[str, ...] | None = None,
+    shapes: tuple[str, ...] | None = None,
+    objects_range: tuple[int, int] = (2, 6),
+) -> Scene:
+    """`sides` narrows the image sizes (a training curriculum); the splits always use SIDES. Training only:
+    `size` fixes (width, height) (static shapes), `colors`/`shapes` narrow what objects may be (confusable
+    scenes) and `objects_range` how many are attempted. With the defaults the draws are those the splits were
+    made with."""
+    width, height = size if size is not None else (rng.choice(sides), rng.choice(sides))
     kind, rgb = _sample_background(rng, shifted)
     radii = SHIFTED_RADII if shifted else RADII
     objects: list[SceneObject] = []
-    target = rng.randint(2, 6)
+    target = rng.randint(*objects_range)
+    colors = colors if colors is not None else tuple(PALETTE)
+    shapes = shapes if shapes is not None else SHAPES
     for _ in range(200):  # rejection sampling; a crowded small image may end with fewer objects
         if len(objects) == target:
             break
-        size = rng.choice(SIZES)
-        radius = rng.randint(*radii[size])
+        size_name = rng.choice(SIZES)
+        radius = rng.randint(*radii[size_name])
         x, y = _sample_position(rng, width, height, radius, shifted)
-        obj = SceneObject(rng.choice(SHAPES), rng.choice(list(PALETTE)), size, x, y, radius, _sample_text(rng))
+        obj = SceneObject(rng.choice(shapes), rng.choice(colors), size_name, x, y, radius, _sample_text(rng))
         if not any(_overlaps(obj.box(), other.box()) for other in objects):
             objects.append(obj)
     return Scene(width, height, kind, rgb, rng.randrange(2**31), objects)
@@ -173,32 +188,37 @@ def _clip(arr: np.ndarray) -> np.ndarray:
 
 
 def _background(scene: Scene) -> Image.Image:
+    """The background image. Built from per-row and per-column terms instead of full coordinate grids, and the
+    two-colour patterns (tiled, stripes) from a boolean pattern: the same float32/float64 arithmetic per pixel as
+    the full-grid formulas, so the pixels are bit-identical to them (tests/test_shapes_vqa.py holds image
+    digests), at a third of the time; training workers render millions of these."""
     w, h, base = scene.width, scene.height, np.array(scene.background_rgb, dtype=np.float32)
     nrng = np.random.default_rng(scene.background_seed)
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    xs = np.arange(w, dtype=np.float32)  # mgrid's xx row (exact: small integers)
+    ys = np.arange(h, dtype=np.float32)[:, None]  # mgrid's yy column
     kind = scene.background
     if kind in ("flat", "clutter"):
-        arr = np.broadcast_to(base, (h, w, 3)).copy()
+        arr = np.broadcast_to(_clip(base), (h, w, 3)).copy()
     elif kind == "gradient":
         other = base + nrng.uniform(-30, 30, 3)
-        t = (xx / w * 0.5 + yy / h * 0.5)[..., None]
-        arr = base * (1 - t) + other * t
+        t = (xs / w * 0.5 + ys / h * 0.5)[..., None]
+        arr = _clip(base * (1 - t) + other * t)
     elif kind == "tiled":
         tile = int(nrng.choice([16, 24, 32]))
-        checker = (((xx // tile) + (yy // tile)) % 2)[..., None]
-        arr = base + checker * 12.0
+        checker = ((np.arange(w) // tile)[None, :] + (np.arange(h) // tile)[:, None]) & 1
+        arr = np.stack([_clip(base + np.float32(0.0)), _clip(base + np.float32(12.0))])[checker]
     elif kind == "noise":
-        arr = base + nrng.normal(0, 6, (h, w, 3))
+        arr = _clip(base + nrng.normal(0, 6, (h, w, 3)))
     elif kind == "stripes":
         period = int(nrng.choice([20, 28, 40]))
-        stripe = (((xx + yy) // period) % 2)[..., None]
-        arr = base - stripe * 25.0
+        stripe = ((np.arange(w)[None, :] + np.arange(h)[:, None]) // period) & 1
+        arr = np.stack([_clip(base - np.float32(0.0)), _clip(base - np.float32(25.0))])[stripe]
     elif kind == "radial":
-        r = np.sqrt((xx - w / 2) ** 2 + (yy - h / 2) ** 2) / (0.5 * np.hypot(w, h))
-        arr = base * (1 - 0.3 * r[..., None]) + 20.0
+        r = np.sqrt((xs - w / 2) ** 2 + (ys - h / 2) ** 2) / (0.5 * np.hypot(w, h))
+        arr = _clip(base * (1 - 0.3 * r[..., None]) + 20.0)
     else:
         raise ValueError(f"unknown background kind {kind!r}")
-    image = Image.fromarray(_clip(arr), "RGB")
+    image = Image.fromarray(arr, "RGB")
     if kind == "clutter":
         draw = ImageDraw.Draw(image)
         for _ in range(int(nrng.integers(3, 8))):
@@ -221,8 +241,10 @@ def _draw_shape(draw: ImageDraw.ImageDraw, obj: SceneObject) -> None:
         raise ValueError(f"unknown shape {obj.shape!r}")
 
 
+@functools.lru_cache(maxsize=64)
 def _text_mask(text: str) -> Image.Image:
-    """Binary, upscaled text: crisp pixels (no antialiasing) so it stays readable and deterministic."""
+    """Binary, upscaled text: crisp pixels (no antialiasing) so it stays readable and deterministic. Cached:
+    callers only read it (as a paste mask)."""
     font = ImageFont.load_default()
     x0, y0, x1, y1 = font.getbbox(text)
     small = Image.new("L", (x1 - x0 + 2, y1 - y0 + 2), 0)
@@ -231,8 +253,10 @@ def _text_mask(text: str) -> Image.Image:
     return small.resize((small.width * TEXT_SCALE, small.height * TEXT_SCALE), Image.Resampling.NEAREST)
 
 
-def render(scene: Scene) -> Image.Image:
-    image = _background(scene)
+def render(scene: Scene, background: Image.Image | None = None) -> Image.Image:
+    """The scene's image. Training only: `background` (an image of the scene's size) replaces the scene's own
+    background, so a worker can reuse backgrounds, the costly part; the splits never pass one."""
+    image = _background(scene) if background is None else background.copy()
     draw = ImageDraw.Draw(image)
     for obj in scene.objects:
         _draw_shape(draw, obj)
@@ -349,6 +373,103 @@ def questions_for(scene: Scene, rng: random.Random) -> list[QA]:
 def make_example(rng: random.Random, *, shifted: bool = False) -> tuple[Scene, list[QA]]:
     scene = make_scene(rng, shifted=shifted)
     return scene, questions_for(scene, rng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training data only (the splits never call these): scenes whose objects share colours and shapes, and question
+# forms whose words do not predict the answer. Each QA carries the family of the test questions it trains.
+
+
+def confusable_scene(rng: random.Random, *, size: tuple[int, int], shifted: bool = False) -> Scene:
+    """3-6 objects drawn from two or three colours and two or three shapes: every colour and shape recurs, so
+    existence questions have hard negatives and counts have distractors of the same colour or shape."""
+    colors = tuple(rng.sample(list(PALETTE), rng.randint(2, 3)))
+    shapes = tuple(rng.sample(SHAPES, rng.randint(2, 3)))
+    return make_scene(rng, shifted=shifted, size=size, colors=colors, shapes=shapes, objects_range=(3, 6))
+
+
+def existence_training_qas(scene: Scene, rng: random.Random, pairs: int = 3) -> list[QA]:
+    """Up to `pairs` "yes" and as many "no" questions (exactly balanced). The "no"s are hard negatives first:
+    a colour present in the scene with a shape present in the scene, but never on the same object, so neither
+    word alone says "no"; then random absent pairs."""
+    present = sorted({(o.color, o.shape) for o in scene.objects})
+    colors, shapes = sorted({c for c, _ in present}), sorted({s for _, s in present})
+    hard = [(c, s) for c in colors for s in shapes if (c, s) not in present]
+    easy = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in present and (c, s) not in hard]
+    yes = rng.sample(present, min(pairs, len(present)))
+    rng.shuffle(hard)
+    rng.shuffle(easy)
+    n_hard = min(len(hard), max(1, (2 * len(yes) + 2) // 3)) if yes else 0  # about two thirds hard
+    no = hard[:n_hard] + easy[: len(yes) - n_hard]
+
+    def ask(color: str, shape: str, answer: str) -> QA:
+        return QA(f"Is there {_article(color)} {color} {shape} in the image?", answer, "existence")
+
+    return [ask(c, s, "yes") for c, s in yes] + [ask(c, s, "no") for c, s in no]
+
+
+def _extreme(objs: list[SceneObject], key: str, lowest: bool) -> SceneObject | None:
+    """The object with the smallest (or largest) x or y, if it beats the runner-up by MIN_OFFSET."""
+    ranked = sorted(objs, key=lambda o: getattr(o, key), reverse=not lowest)
+    if len(ranked) < 2 or abs(getattr(ranked[0], key) - getattr(ranked[1], key)) < MIN_OFFSET:
+        return None
+    return ranked[0]
+
+
+def bound_color_qas(scene: Scene) -> list[QA]:
+    """Colour questions that name the object by shape and size or by shape and position ("the leftmost
+    circle"): the colour must be read off the object the words pick out, not off any object of that shape."""
+    qas = []
+    for shape in SHAPES:
+        same = [o for o in scene.objects if o.shape == shape]
+        if len(same) < 2:
+            continue  # a lone shape is asked the test's own way ("What colour is the circle?")
+        for size in SIZES:
+            sized = [o for o in same if o.size == size]
+            if len(sized) == 1:
+                qas.append(QA(f"What colour is the {size} {shape}?", sized[0].color, "color"))
+        for word, key, lowest in (("leftmost", "x", True), ("rightmost", "x", False), ("highest", "y", True)):
+            obj = _extreme(same, key, lowest)
+            if obj is not None:
+                qas.append(QA(f"What colour is the {word} {shape}?", obj.color, "color"))
+    return qas
+
+
+def conjunction_count_qas(scene: Scene) -> list[QA]:
+    """Conjunction counts ("How many red circles are there?") for each present colour and each shape: objects of
+    that colour but another shape, and of that shape but another colour, are distractors (answers include 0)."""
+    colors = sorted({o.color for o in scene.objects})
+    return [
+        QA(
+            f"How many {color} {_plural(shape)} are there?",
+            str(sum(o.color == color and o.shape == shape for o in scene.objects)),
+            "count",
+        )
+        for color in colors
+        for shape in SHAPES
+    ]
+
+
+def training_qas(scene: Scene, rng: random.Random) -> dict[str, list[QA]]:
+    """Every training question about a scene, by family: the test's forms (existence replaced by the balanced
+    hard-negative set), plus the bound colour and conjunction count forms. Questions are unique within a family."""
+    qas = (
+        _color_qas(scene)
+        + bound_color_qas(scene)
+        + _shape_qas(scene)
+        + _count_qas(scene)
+        + conjunction_count_qas(scene)
+        + _position_qas(scene)
+        + existence_training_qas(scene, rng)
+        + _reading_qas(scene)
+    )
+    by_family: dict[str, list[QA]] = {f: [] for f in FAMILIES}
+    seen: set[str] = set()
+    for qa in qas:
+        if qa.question not in seen:
+            seen.add(qa.question)
+            by_family[qa.family].append(qa)
+    return by_family
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ images with a JSONL file of {"image", "question", "answer"[, "family"][, "id"]} 
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +112,15 @@ class EvalReport:
     kept_visual_tokens_mean: float
     compression: str
     predictions: list[dict[str, Any]] = field(default_factory=list)
+    # where a question's time goes: image (drawn or read) and processor, prefill, decode; means in ms
+    prep_ms_mean: float = 0.0
+    prefill_ms_mean: float = 0.0
+    decode_ms_mean: float = 0.0
+    threads: int | None = None  # CPU intra-op threads the run used
+
+    @property
+    def seconds_per_question(self) -> float:
+        return self.seconds / max(1, self.counts.get("overall", 0))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,11 +129,40 @@ class EvalReport:
             "routing": self.routing,
             "experts": self.experts,
             "seconds": round(self.seconds, 2),
+            "seconds_per_question": round(self.seconds_per_question, 3),
             "prefill_ms_median": round(self.prefill_ms_median, 2),
+            "prefill_ms_mean": round(self.prefill_ms_mean, 2),
+            "prep_ms_mean": round(self.prep_ms_mean, 2),
+            "decode_ms_mean": round(self.decode_ms_mean, 2),
+            "threads": self.threads,
             "visual_tokens_mean": round(self.visual_tokens_mean, 1),
             "kept_visual_tokens_mean": round(self.kept_visual_tokens_mean, 1),
             "compression": self.compression,
         }
+
+
+def choose_threads(threads: str, device: str) -> int | None:
+    """Intra-op threads for a CPU run; None leaves torch's setting (a GPU run, or threads "default").
+
+    "auto": torch's default (one per core), less the cores other processes keep busy (the 1-minute load average,
+    rounded), at least one. torch's threads meet at the end of every parallel region, so one thread that shares its
+    core with another process stalls them all: on this project's 2-core machine, one busy neighbour made 2-thread
+    eval 3x slower (642 against 219 ms a question) where 1 thread gave 326 ms (docs/training/README.md)."""
+    import torch
+
+    if threads == "default" or (device != "cpu" and not (device == "auto" and not torch.cuda.is_available())):
+        return None
+    if threads != "auto":
+        try:
+            count = int(threads)
+        except ValueError:
+            raise VismmoeError(f"--threads {threads!r}: use auto, default or a number") from None
+        if count < 1:
+            raise VismmoeError(f"--threads {threads!r}: at least 1")
+        return count
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = math.floor(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
+    return max(1, min(torch.get_num_threads(), cores - busy))
 
 
 def evaluate(
@@ -140,16 +180,21 @@ def evaluate(
     board = Scoreboard()
     totals: dict[str, float] = {}
     prefill_ms: list[float] = []
+    prep_ms: list[float] = []
+    decode_ms: list[float] = []
     visual_tokens: list[int] = []
     kept_tokens: list[int] = []
     image_token = engine.model.config.image_token_id
     start = time.perf_counter()
     try:
         for item in tqdm(items, desc="eval", unit="q", disable=not progress):
+            t_item = time.perf_counter()
             inputs = engine.encode(item.question, [item.load()])
+            prep_ms.append((time.perf_counter() - t_item) * 1000)
             result = engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=max_new_tokens))
             ok = board.add(item.family, result.text, item.answer)
             prefill_ms.append(result.timings.prefill_s * 1000)
+            decode_ms.append(getattr(result.timings, "decode_s", 0.0) * 1000)
             visual_tokens.append(int((inputs.input_ids == image_token).sum()))
             kept = result.compression.kept_visual_tokens if result.compression is not None else None
             kept_tokens.append(visual_tokens[-1] if kept is None else kept)
@@ -157,7 +202,7 @@ def evaluate(
                 if key in ("hits", "misses", "bytes_read", "stall_s"):
                     totals[key] = totals.get(key, 0.0) + value
             record = {"id": item.id, "family": item.family, "question": item.question, "answer": item.answer}
-            record.update(prediction=result.text.strip(), correct=ok)
+            record.update(prediction=result.text.strip(), correct=ok, prefill_ms=round(prefill_ms[-1], 1))
             if on_prediction is not None:
                 on_prediction(record)
     finally:
@@ -174,6 +219,9 @@ def evaluate(
         visual_tokens_mean=statistics.fmean(visual_tokens),
         kept_visual_tokens_mean=statistics.fmean(kept_tokens),
         compression=engine.compression.method,
+        prep_ms_mean=statistics.fmean(prep_ms),
+        prefill_ms_mean=statistics.fmean(prefill_ms),
+        decode_ms_mean=statistics.fmean(decode_ms),
     )
 
 
@@ -191,8 +239,12 @@ def format_report(report: EvalReport, title: str) -> Iterator[str]:
     )
     yield (
         f"experts: {x['hit_rate']:.1%} hit rate, {format_bytes(x.get('bytes_read', 0))} read | "
-        f"prefill median {report.prefill_ms_median:.0f} ms, {report.visual_tokens_mean:.0f} visual tokens on average"
-        f" ({report.kept_visual_tokens_mean:.0f} kept by {report.compression}) | {report.seconds:.0f} s in all"
+        f"{report.visual_tokens_mean:.0f} visual tokens on average"
+        f" ({report.kept_visual_tokens_mean:.0f} kept by {report.compression})"
     )
-
-
+    threads = "" if report.threads is None else f", {report.threads} CPU thread{'s' if report.threads != 1 else ''}"
+    yield (
+        f"time: {report.seconds:.0f} s in all, {report.seconds_per_question * 1000:.0f} ms a question: "
+        f"image and processor {report.prep_ms_mean:.0f} ms, prefill {report.prefill_ms_mean:.0f} ms "
+        f"(median {report.prefill_ms_median:.0f}), decode {report.decode_ms_mean:.0f} ms{threads}"
+    )
