@@ -15,6 +15,7 @@ adds shared experts or other routers keep the eager path (`supports_static_decod
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -198,7 +199,15 @@ class StaticDecoder:
             return
         graph = self._graphs.get(name)
         if graph is None:
-            graph = self._graphs[name] = self._capture(fn, *args)
+            try:
+                graph = self._graphs[name] = self._capture(fn, *args)
+            except RuntimeError as e:  # a capture this torch build refuses: the same steps, eagerly
+                warnings.warn(f"CUDA graph capture of {name} failed ({e}); decoding without graphs", stacklevel=2)
+                self.graphs = False
+                self._graphs.clear()
+                torch.cuda.synchronize(self.device)
+                fn(*args)
+                return
         graph.replay()
 
     def _capture(self, fn: Callable[..., None], *args: Any) -> torch.cuda.CUDAGraph:

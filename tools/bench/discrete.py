@@ -401,6 +401,7 @@ def main() -> None:
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--skip-baselines", action="store_true", help="no transformers / Accelerate runs")
     ap.add_argument("--baselines-only", action="store_true")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoint and the image, then stop")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
@@ -420,6 +421,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     build_checkpoint(model_dir, args.layers)
     make_image(image)
+    if args.build_only:
+        return
     from vismmoe_edge.describe import describe_checkpoint
 
     info = describe_checkpoint(model_dir)
@@ -476,6 +479,7 @@ def main() -> None:
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+            torch._C._host_emptyCache()  # the pinned host tier's memory, which torch's host allocator keeps cached
     if not args.skip_baselines:
         results.append(subprocess_worker(args, "hf-resident"))
         print(results[-1], flush=True)
