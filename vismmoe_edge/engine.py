@@ -294,7 +294,9 @@ class Engine:
     def uses_static_decode(self) -> bool:
         """The static decoder computes a token's experts from the slot pool, so it needs a pool with room for them."""
         pipeline = self.experts.pipeline
-        has_pool = getattr(pipeline.tier, "pool", None) is not None and pipeline.capacity >= self.context.top_k
+        streams = len(pipeline.pinned) < len(self.catalogue.experts)
+        room = pipeline.capacity >= self.context.top_k or not streams
+        has_pool = getattr(pipeline.tier, "pool", None) is not None and room
         if self.static_decode == "off" or not has_pool or not supports_static_decode(self.model):
             return False
         return self.static_decode == "on" or self.device.type == "cuda"

@@ -180,9 +180,11 @@ def load_engine(model_dir: Path, budget: str, *, pinned_layers: int = 0, host_ti
     import vismmoe_edge
 
     gc.collect()
+    before = 0
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()  # engines loaded earlier: not this one's
     start = time.perf_counter()
     engine = vismmoe_edge.load(
         model_dir, memory_budget=budget, pinned_layers=pinned_layers, device=DEVICE,
@@ -190,7 +192,7 @@ def load_engine(model_dir: Path, budget: str, *, pinned_layers: int = 0, host_ti
     )  # fmt: skip
     engine.load_s = time.perf_counter() - start
     # after the previous engine was freed
-    engine.peak_gpu_bytes = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    engine.peak_gpu_bytes = torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0
     return engine
 
 

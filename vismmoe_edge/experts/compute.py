@@ -72,7 +72,7 @@ class OffloadedExperts(nn.Module):
         start = time.perf_counter()
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = getattr(pipeline.tier, "pool", None)
-        if pool is not None and len(order) <= pipeline.capacity:  # all of them can be resident at once
+        if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
             slot_of = self._acquire_slots(order)
             slots = torch.tensor([[slot_of[int(e)] for e in row] for row in index_cpu.tolist()], device=pool.device)
             out = self.pool_compute(hidden_states, slots, top_k_weights)

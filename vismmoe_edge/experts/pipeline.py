@@ -290,6 +290,10 @@ class ExpertPipeline:
         self.layer_log[-1].compute_s += seconds
         self.layer_log[-1].resident_bytes = self.stats.resident_bytes
 
+    def can_hold(self, layer: int, experts: list[int]) -> bool:
+        """Whether these experts of one layer can all be resident at once (the pinned ones need no cache slot)."""
+        return sum((layer, e) not in self.pinned for e in experts) <= self.capacity
+
     def is_streamed_and_loaded(self, layer: int, expert: int) -> bool:
         """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""
         entry = self._entries.get((layer, expert))

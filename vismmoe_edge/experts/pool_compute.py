@@ -4,8 +4,8 @@ Every resident expert (pinned or cached) sits in one `[slots, 2I, H]` and one `[
 needs only each routed expert's slot, not a host loop over experts:
 - one token (decode): gather its k experts' weights and run two batched GEMMs; the shapes never change, so this
   is what a CUDA graph replays;
-- many tokens (prefill): tokens sorted by slot and one grouped GEMM over the whole pool (`torch._grouped_mm`,
-  empty groups allowed), or where the build or dtype has no grouped GEMM, a loop over the slots in use.
+- many tokens (prefill): tokens sorted by slot and one grouped GEMM over the slots in use (`torch._grouped_mm`),
+  or where the build or dtype has no grouped GEMM, a loop over the slots in use.
 """
 
 from __future__ import annotations
@@ -55,10 +55,15 @@ def prefill_experts(
     token_of = order // k
     xs = x[token_of]
     if grouped:
-        counts = torch.bincount(flat, minlength=gate_up.shape[0])
+        # One group per slot in use: CUDA's grouped GEMM takes at most 1,024 groups, a pool has thousands of slots,
+        # so the slots in use (at most the layer's experts) are gathered first.
+        used, group = torch.unique(flat, return_inverse=True)
+        counts = torch.bincount(group, minlength=used.shape[0])
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+        w_gate_up = gate_up.index_select(0, used).transpose(-2, -1)
+        w_down = down.index_select(0, used).transpose(-2, -1)
+        gate, up = torch._grouped_mm(xs, w_gate_up, offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(act(gate) * up, w_down, offs=offs)
     else:
         sorted_slots = flat[order]
         used, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
