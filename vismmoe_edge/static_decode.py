@@ -223,7 +223,8 @@ class StaticDecoder:
         for t, old in zip(state, saved, strict=True):
             t.copy_(old)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        # thread_local: I/O threads keep queueing copies on their own streams while this thread captures
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             fn(*args)
         return graph
 

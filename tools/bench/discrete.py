@@ -273,6 +273,9 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
 
     from vismmoe_edge.sampling import SamplingConfig
 
+    if not engine.cuda_graphs:  # the trials may have left it off
+        engine.cuda_graphs = True
+        engine._decoders.clear()
     engine.experts.pipeline.clear()
     inputs = engine.encode(PROMPT, [image])
     sampling = SamplingConfig(max_new_tokens=tokens + 3, min_new_tokens=tokens + 3, temperature=1.0, seed=7)
@@ -408,6 +411,9 @@ def main() -> None:
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--strategies", default="all-resident,popularity,lru,graphs-off,learned",
+                    help="which of our configurations to run")  # fmt: skip
+    ap.add_argument("--routings", default="sampled,trace-replay")
     ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
@@ -438,12 +444,16 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
+        wanted = set(args.strategies.split(","))
+        if "all-resident" in wanted:
+            engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name, e in engines.items():
             print(f"{name}: loaded in {e.load_s:.1f} s, peak GPU {e.peak_gpu_bytes / 2**30:.2f} GiB, "
                   f"host tier {getattr(e.experts.pipeline.tier, 'mirror', None) is not None}", flush=True)  # fmt: skip
-        routings = [None] + ([args.replay_trace] if args.replay_trace else [])
+        routings = ([None] if "sampled" in args.routings else []) + (
+            [args.replay_trace] if args.replay_trace and "trace-replay" in args.routings else []
+        )
         for replay in routings:
             mode = "trace-replay" if replay is not None else "sampled"
             configs: list[tuple[str, str, dict]] = [
@@ -454,6 +464,7 @@ def main() -> None:
             ]
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))
+            configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
                 for engine_name, name, kw in configs:
@@ -467,11 +478,12 @@ def main() -> None:
                 engine = engines["all-resident" if row["strategy"] == "all-resident" else "budget"]
                 row["peak_gpu_gib"] = engine.peak_gpu_bytes / 2**30
             results += rows
-            ceiling = next(r for r in rows if r["strategy"] == "all-resident")
-            ours = trials["popularity"][0]
-            bound = oracle(ours["routes"], ours["slots"], ours["expert_bytes"], bandwidth,
-                           ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
-            results.append({**bound, "routing": mode})
+            ceiling = next((r for r in rows if r["strategy"] == "all-resident"), None)
+            if ceiling is not None and trials.get("popularity"):
+                ours = trials["popularity"][0]
+                bound = oracle(ours["routes"], ours["slots"], ours["expert_bytes"], bandwidth,
+                               ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
+                results.append({**bound, "routing": mode})
             set_predictor(engines["budget"], "none", None)
             profiles.append(profile_decode(engines["budget"], image, replay))
             print("profile", profiles[-1], flush=True)

@@ -341,7 +341,8 @@ class StepRunner:
         try:
             graph = torch.cuda.CUDAGraph()
             self.opt.zero_grad(set_to_none=True)
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the DataLoader's pin-memory thread keeps pinning batches while this thread captures
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 captured = self._body(static, bucket)
             self.graphs[index] = (graph, static, captured)
         except Exception as exc:  # noqa: BLE001 - any capture failure: plain steps from here on, for every bucket
