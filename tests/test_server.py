@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from vismmoe_edge.server import StopMatcher
+from vismmoe_edge.serve.worker import StopMatcher
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = 3000  # tokens: a generation that outlasts any test step (the demo decodes ~100 tok/s here)
@@ -283,7 +283,7 @@ def test_stop_matcher_holds_back_partial_matches() -> None:
 
 
 def test_sdnotify_outside_systemd_and_the_watchdog_interval(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from vismmoe_edge import sdnotify
+    from vismmoe_edge.serve import sdnotify
 
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sdnotify.ready("x") is False and sdnotify.watchdog() is False  # not under systemd: no-ops
@@ -573,7 +573,9 @@ def test_sigterm_while_loading_and_a_failed_load(tmp_path: Path) -> None:
 def test_worker_answers_504_to_a_job_past_its_deadline() -> None:
     from types import SimpleNamespace
 
-    from vismmoe_edge.server import ChatRequest, Job, Limits, Metrics, Worker
+    from vismmoe_edge.serve.metrics import Metrics
+    from vismmoe_edge.serve.protocol import ChatRequest, Limits
+    from vismmoe_edge.serve.worker import Job, Worker
 
     engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
     metrics = Metrics()
@@ -590,8 +592,8 @@ def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     import typer.main
 
     from vismmoe_edge.cli.serve import serve_command
-    from vismmoe_edge.server import parse_listen
-    from vismmoe_edge.service import SERVE_SETTINGS
+    from vismmoe_edge.serve.http import parse_listen
+    from vismmoe_edge.serve.systemd import SERVE_SETTINGS
 
     app = typer.Typer()
     app.command()(serve_command)
@@ -602,7 +604,8 @@ def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     assert parse_listen("[::1]:8080") == ("::1", 8080, None)
 
 
-def test_help_is_fast_and_does_not_import_torch() -> None:
-    code = "import sys, vismmoe_edge.server; print('torch' in sys.modules or 'transformers' in sys.modules)"
+def test_the_daemon_modules_import_nothing_heavy() -> None:
+    modules = ", ".join(f"vismmoe_edge.serve.{m}" for m in ("daemon", "http", "worker", "images", "systemd"))
+    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'transformers', 'PIL') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"

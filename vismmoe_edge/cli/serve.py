@@ -11,8 +11,11 @@ import typer
 from vismmoe_edge.cli.common import fail
 from vismmoe_edge.cli.options import AffinityWeightOpt, CompressorOpt, KeepRatioOpt, SalientRatioOpt
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.server import Limits, ServeOptions, parse_listen, parse_size, serve
-from vismmoe_edge.service import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
+from vismmoe_edge.serve.daemon import ServeOptions, serve
+from vismmoe_edge.serve.http import parse_listen
+from vismmoe_edge.serve.protocol import Limits
+from vismmoe_edge.serve.systemd import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
+from vismmoe_edge.units import parse_size
 
 
 def serve_command(
@@ -86,8 +89,8 @@ def serve_command(
     )
     try:
         limits = Limits(
-            max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
-            max_image_bytes=parse_size(max_image_bytes, "--max-image-bytes"),
+            max_body_bytes=parse_size(max_body_bytes, what="--max-body-bytes"),
+            max_image_bytes=parse_size(max_image_bytes, what="--max-image-bytes"),
             max_image_pixels=max_image_pixels,
             max_images=max_images,
             max_prompt_tokens=max_prompt_tokens,
