@@ -10,7 +10,9 @@ Endpoints: POST /v1/chat/completions (JSON or server-sent events), GET /v1/model
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -21,10 +23,22 @@ from typing import TYPE_CHECKING, Any
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.serve import metrics as metrics_text
 from vismmoe_edge.serve import sdnotify
-from vismmoe_edge.serve.http import TCPServer, UnixServer, make_server
+from vismmoe_edge.serve.admission import client_key
+from vismmoe_edge.serve.bodies import ByteBudget
+from vismmoe_edge.serve.images import check_request_images, load_image_url
 from vismmoe_edge.serve.metrics import Metrics, host_mem_available, rss_anon_bytes
-from vismmoe_edge.serve.protocol import ApiError, ChatRequest, Limits, unavailable
-from vismmoe_edge.serve.worker import Job, Worker
+from vismmoe_edge.serve.policy import HttpPolicy
+from vismmoe_edge.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    Limits,
+    bad_request,
+    nesting_depth_exceeds,
+    parse_chat_request,
+    unavailable,
+)
+from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
+from vismmoe_edge.serve.worker import Job, Worker, use_mmap_for_large_allocations
 
 if TYPE_CHECKING:
     from vismmoe_edge.engine import Engine
@@ -47,9 +61,12 @@ class ServeOptions:
     tier: str = "auto"
     predictor: str = "auto"
     policy: str = "lru"
-    compression: Any = None  # a CompressionConfig (imported lazily: `serve --help` must not load torch)
+    compression: tuple[str, float, float, float] | None = None  # CompressionConfig's fields (it imports torch)
     profile: str = "auto"
-    image_dir: Path | None = None
+    prefetch_depth: int | None = None
+    image_dirs: tuple[Path, ...] = ()  # local image paths are served from these only; none: local paths are off
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
+    api_key: str | None = None  # bearer token required on /v1/ when set
     limits: Limits = field(default_factory=Limits)
     drain_timeout_s: float = 30.0
     load_timeout_s: float = 600.0
@@ -59,7 +76,14 @@ class Service:
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
         self.limits = options.limits
-        self.image_dir = options.image_dir.resolve() if options.image_dir else None
+        self.image_dirs = resolve_image_dirs(options.image_dirs)
+        self.policy = HttpPolicy.for_listener(
+            options.host, options.unix_socket, options.allowed_origins, options.api_key
+        )
+        self.bodies = ByteBudget(options.limits.max_pending_bytes)
+        self.estimate_tokens: Any = None  # (width, height) -> visual tokens, from the processor once loaded
+        self.vocab_size = 0
+        self.max_positions = 0
         self.metrics = Metrics()
         self.state = "loading"  # -> ok -> draining; "stopped" if loading failed
         self.engine: Engine | None = None
@@ -70,6 +94,7 @@ class Service:
         self.settings: dict[str, Any] = {}  # what the engine was loaded with
         self.handlers = 0  # chat-completion handlers still answering: drained before exit
         self.handlers_lock = threading.Lock()
+        self.grammar_lock = threading.Lock()
 
     # -- lifecycle (main thread) --
     def load(self) -> None:
@@ -82,10 +107,15 @@ class Service:
         self.engine = load_resolved(checkpoint, self.load_options(), resolved)
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
+        self.estimate_tokens = visual_token_estimator(self.engine.processor)
+        text_config = self.engine.text_config
+        self.vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self.engine.processor.tokenizer))
+        self.max_positions = self.worker.max_positions
         self.worker.thread.start()
         self.state = "ok"
 
     def load_options(self) -> LoadOptions:
+        from vismmoe_edge.compress.prune import CompressionConfig
         from vismmoe_edge.options import LoadOptions
 
         o = self.options
@@ -98,7 +128,8 @@ class Service:
             predictor=o.predictor,
             policy=o.policy,
             profile=o.profile,
-            compression=o.compression,
+            prefetch_depth=o.prefetch_depth,
+            compression=CompressionConfig(*o.compression) if o.compression is not None else None,
         )
 
     def resolve(self, checkpoint: Any, replan: bool) -> ResolvedOptions:
@@ -178,30 +209,57 @@ class Service:
             time.sleep(0.02)
 
     # -- request side (handler threads) --
-    def submit(self, request: ChatRequest, arrival: float) -> Job:
+    def start_chat(self, data: bytes, peer: str) -> Job:
+        """Parse, check every budget that can be checked from headers, and queue; any refusal is an ApiError."""
+        arrival = time.monotonic()
         worker = self.worker
         if self.state != "ok" or worker is None:
             raise unavailable(self.state)
+        request = self.parse(data)
         job = Job(request, arrival + self.limits.request_timeout_s, self.metrics.record_cancel)
-        worker.submit(job)
+        worker.submit(job, client_key(peer, data))
         return job
+
+    def parse(self, data: bytes) -> ChatRequest:
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("the request body nests too deeply", code="invalid_json") from None
+        if nesting_depth_exceeds(body):
+            raise bad_request("the request body nests too deeply (more than 64 levels)", code="invalid_json")
+        self.check_model(body.get("model") if isinstance(body, dict) else None)
+        dirs, limits, estimate = self.image_dirs, self.limits, self.estimate_tokens
+
+        def load_image(url: str, param: str) -> Any:
+            return load_image_url(url, param, limits, dirs, estimate)
+
+        request = parse_chat_request(body, limits, load_image, self.vocab_size)
+        check_request_images(request.images, limits, request.max_tokens, self.max_positions)
+        if request.response_format is not None and self.worker is not None:
+            with self.grammar_lock:  # built once, on the first request that asks for one
+                grammars = self.worker.json_grammars()
+            request.response_format["grammar"] = grammars.compile(request.response_format)
+        return request
 
     def check_model(self, model: object) -> None:
         if model is not None and model != self.model_id:
             raise ApiError(
                 404,
-                f"the model {model!r} is not served here; this server serves {self.model_id!r}",
+                f"the model {str(model)[:100]!r} is not served here; this server serves {self.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
 
     def health(self) -> dict[str, Any]:
+        """"ok" only when requests are served (HTTP 200); "loading" and "draining" answer 503, as llama-server."""
         worker = self.worker
         return {
             "status": self.state,
             "model": self.model_id or None,
             "profile": self.profile_name,
-            "queue_depth": worker.jobs.qsize() if worker else 0,
+            "queue_depth": worker.queue_depth() if worker else 0,
             "in_flight": 1 if worker and worker.running else 0,
             "uptime_s": round(time.time() - self.started, 3),
         }
@@ -209,7 +267,11 @@ class Service:
     def models(self) -> list[dict[str, Any]]:
         if not self.model_id or self.state == "loading":
             return []
-        return [{"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "vismmoe-edge"}]
+        card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "vismmoe-edge"}
+        # Not in OpenAI's schema (clients ignore extra fields): what the model takes, as vLLM and Ollama say it.
+        card |= {"input_modalities": ["text", "image"], "capabilities": ["completion", "vision", "json_schema"]}
+        card |= {"max_model_len": self.max_positions or None}
+        return [card]
 
     def render_metrics(self) -> str:
         worker = self.worker
@@ -217,11 +279,52 @@ class Service:
             self.metrics,
             up=self.state == "ok",
             live=self.engine.experts.pipeline.stats if self.engine is not None else None,
-            queue_depth=worker.jobs.qsize() if worker else 0,
+            queue_depth=worker.queue_depth() if worker else 0,
             queue_capacity=self.limits.max_queue,
             in_flight=1 if worker and worker.running else 0,
             started=self.started,
+            extra=[
+                ("vismmoe_pending_request_bytes", "gauge", "request bytes held now", [({}, self.bodies.used)]),
+                ("vismmoe_pending_request_bytes_limit", "gauge", "--max-pending-bytes", [({}, self.bodies.capacity)]),
+                (
+                    "vismmoe_queue_places_held",
+                    "gauge",
+                    "refused clients whose place in line is kept for their retry",
+                    [({}, worker.admission.held if worker else 0)],
+                ),
+            ],
         )
+
+
+def resolve_image_dirs(dirs: tuple[Path, ...]) -> tuple[str, ...]:
+    """--image-dir values as resolved absolute paths; each must be an existing directory."""
+    resolved = []
+    for d in dirs:
+        if str(d) == "":
+            continue  # the unit passes ${VISMMOE_EDGE_IMAGE_DIR} even when it is empty
+        real = os.path.realpath(d)
+        if not os.path.isdir(real):
+            raise VismmoeError(f"--image-dir {d}: not a directory; create it or leave the option out")
+        resolved.append(real)
+    return tuple(resolved)
+
+
+def visual_token_estimator(processor: Any) -> Any:
+    """(width, height) -> visual tokens, from the image processor's own arithmetic (no pixels needed), or None
+    when the family's processor cannot say; the exact count is checked again after encoding."""
+    image_processor = getattr(processor, "image_processor", None)
+    count = getattr(image_processor, "get_number_of_image_patches", None)
+    if count is None:
+        return None
+    merge = int(getattr(image_processor, "merge_size", 1) or 1)
+
+    def estimate(width: int, height: int) -> int:
+        try:
+            return int(count(height, width, {})) // (merge * merge)
+        except Exception:  # an odd size the arithmetic refuses: the exact check after encoding still applies
+            return 0
+
+    return estimate
 
 
 class Terminate(BaseException):
@@ -231,7 +334,7 @@ class Terminate(BaseException):
 class Signals:
     """Signal handlers only set flags: the main loop acts on them (no locks taken inside a handler)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service | None) -> None:
         self.service = service
         self.terminate = False
         self.reload = False
@@ -242,11 +345,11 @@ class Signals:
         signal.signal(signal.SIGHUP, self.on_hangup)
 
     def on_terminate(self, signum: int, frame: object) -> None:
-        worker = self.service.worker
+        worker = self.service.worker if self.service is not None else None
         if self.terminate and worker is not None:
             worker.cancel_all.set()  # a second SIGTERM/SIGINT: cancel now instead of after --drain-timeout
         self.terminate = True
-        if self.service.state == "loading":
+        if self.service is None or self.service.state == "loading":
             raise Terminate()
 
     def on_hangup(self, signum: int, frame: object) -> None:
@@ -255,23 +358,27 @@ class Signals:
 
 def serve(options: ServeOptions) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status (2: a configuration error)."""
-    service = Service(options)
-    signals = Signals(service)
+    signals = Signals(None)
     signals.install()  # first: a SIGTERM during start-up must still exit 0
     httpd: TCPServer | UnixServer | None = None
+    service: Service | None = None
+    use_mmap_for_large_allocations()
     try:
+        service = signals.service = Service(options)
         httpd = start_http(options, service)
         sdnotify.extend_timeout(int(options.load_timeout_s * 1e6))
         sdnotify.status("loading the model")
         service.load()
     except Terminate:
-        service.state = "stopped"  # a second signal must not raise Terminate again
+        if service is not None:
+            service.state = "stopped"  # a second signal must not raise Terminate again
         log.info("terminated while loading")
         sdnotify.stopping()
         stop_http(httpd)
         return 0
     except VismmoeError as e:  # a bad model path, option, profile or address: restarting cannot fix it
-        service.state = "stopped"
+        if service is not None:
+            service.state = "stopped"
         log.error("cannot start: %s", e)
         sdnotify.status(f"failed: {e}")
         stop_http(httpd)
@@ -285,8 +392,8 @@ def start_http(options: ServeOptions, service: Service) -> TCPServer | UnixServe
     """Listen before loading: /health answers "loading", and a taken port fails before a long load."""
     httpd = make_server(options.host, options.port, options.unix_socket, service)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True).start()
-    if options.unix_socket is None and options.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("listening on %s without authentication: anyone who can reach it can use the model", options.host)
+    if options.unix_socket is None and not service.policy.loopback_only and not options.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use the model", options.host)
     log.info("listening on %s; loading the model", httpd.url())
     return httpd
 

@@ -1,34 +1,30 @@
-"""HTTP: the request handler (routing, bodies, JSON and server-sent events) and the TCP and Unix-socket servers.
+"""HTTP: the request handler (checks, routing, bodies, JSON and server-sent events).
 
-Handler threads parse and validate a request, hand it to the worker's queue and relay its events; they never
-touch the model.
+Handler threads check who is asking (serve/policy.py), read a bounded body (serve/bodies.py), have the Service
+parse and queue the request, and relay its events; they never touch the model. Every error, including those
+http.server raises itself (400, 414, 431, 501), is answered in OpenAI's JSON shape.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
 import select
 import socket
-import socketserver
-import stat
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlparse
 
-from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.serve.images import load_image_url
+from vismmoe_edge.serve.bodies import ByteBudget, read_body
 from vismmoe_edge.serve.protocol import (
     ApiError,
     Completion,
-    bad_request,
     chunk,
     completion_body,
-    parse_chat_request,
+    http_error,
     timeout_error,
     unavailable,
     usage,
@@ -38,26 +34,29 @@ if TYPE_CHECKING:
     import threading
 
     from vismmoe_edge.serve.metrics import Metrics
-    from vismmoe_edge.serve.protocol import ChatRequest, Limits
+    from vismmoe_edge.serve.policy import HttpPolicy
+    from vismmoe_edge.serve.protocol import Limits
     from vismmoe_edge.serve.worker import Job
 
 log = logging.getLogger("vismmoe_edge.serve")
 POLL_S = 0.1  # how often a waiting handler checks its client and deadline
+ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
+JSON_TYPES = ("application/json",)
 
 
 class Service(Protocol):
-    """What the handlers use of the daemon's Service (serve/daemon.py), which imports this module."""
+    """What the handlers use of the daemon's Service (serve/daemon.py, which imports this module)."""
 
     state: str
     model_id: str
     limits: Limits
-    image_dir: Path | None
+    policy: HttpPolicy
     metrics: Metrics
+    bodies: ByteBudget
     handlers: int
     handlers_lock: threading.Lock
 
-    def check_model(self, model: object) -> None: ...
-    def submit(self, request: ChatRequest, arrival: float) -> Job: ...
+    def start_chat(self, data: bytes, peer: str) -> Job: ...
     def health(self) -> dict[str, Any]: ...
     def models(self) -> list[dict[str, Any]]: ...
     def render_metrics(self) -> str: ...
@@ -66,8 +65,9 @@ class Service(Protocol):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON answers; SSE answers close the connection
     server_version = "vismmoe-edge"
-    timeout = 120  # an idle keep-alive connection or a stalled client frees its thread after this
-    server: ServerMixin
+    timeout = 30  # per socket operation: an idle keep-alive connection or a stalled client frees its thread
+    server: Any  # serve/servers.py's TCPServer or UnixServer
+    cors_origin: str | None = None
 
     @property
     def service(self) -> Service:
@@ -79,39 +79,98 @@ class Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:
         return str(self.client_address[0]) if self.client_address else "unix"
 
-    # -- routing --
-    def do_GET(self) -> None:
+    # -- checks and routing --
+    def admit(self, method: str) -> str | None:
+        """The request's path if it may be served; otherwise it has been answered and None is returned."""
         path = urlparse(self.path).path
+        self.cors_origin = None
+        try:
+            origin = self.headers.get("Origin")
+            self.service.policy.check(self.headers.get("Host"), origin, self.headers.get("Authorization"), path)
+            if origin is not None:
+                self.cors_origin = origin  # allowed, or check() would have refused
+            allowed = ROUTES.get(path) or ("GET" if path.startswith("/v1/models/") else None)
+            if allowed is None:
+                raise ApiError(404, f"no route {method} {path[:200]}", code="not_found")
+            if method != allowed:
+                raise http_error(405, f"{path} takes {allowed}, not {method}", headers={"Allow": allowed})
+        except ApiError as e:
+            self.close_connection = True
+            self.send_error_json(e)
+            return None
+        return path
+
+    def do_GET(self) -> None:
+        path = self.admit("GET")
         if path == "/health":
-            self.send_json(200, self.service.health())
+            health = self.service.health()
+            self.send_json(200 if health["status"] == "ok" else 503, health)
         elif path == "/metrics":
             self.send_bytes(200, self.service.render_metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": self.service.models()})
-        elif path.startswith("/v1/models/"):
+        elif path is not None:
             wanted = unquote(path.removeprefix("/v1/models/"))
             found = [m for m in self.service.models() if m["id"] == wanted]
             if found:
                 self.send_json(200, found[0])
             else:
-                self.send_error_json(ApiError(404, f"the model {wanted!r} does not exist", code="model_not_found"))
-        else:
-            self.send_error_json(ApiError(404, f"no route GET {path}", code="not_found"))
+                error = ApiError(404, f"the model {wanted[:100]!r} does not exist", code="model_not_found")
+                self.send_error_json(error)
 
     def do_POST(self) -> None:
-        path = urlparse(self.path).path
-        if path != "/v1/chat/completions":
-            self.send_error_json(ApiError(404, f"no route POST {path}", code="not_found"))
+        if self.admit("POST") is None:
             return
-        with self.server.service.handlers_lock:
+        with self.service.handlers_lock:
             self.service.handlers += 1
         try:
             self.chat_completions()
+        except Exception as e:  # a bug: answer 500 in OpenAI's shape rather than drop the connection
+            log.exception("chat completion failed")
+            self.close_connection = True
+            self.refuse(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
         finally:
             with self.service.handlers_lock:
                 self.service.handlers -= 1
 
+    def do_OPTIONS(self) -> None:
+        """CORS preflight: answered for allowed origins only; a preflight carries no API key."""
+        path = urlparse(self.path).path
+        origin = self.headers.get("Origin")
+        try:
+            self.service.policy.check(self.headers.get("Host"), origin, None, "/")
+            if origin is None:
+                raise http_error(405, "OPTIONS is for CORS preflights", headers={"Allow": "GET, POST"})
+            if path not in ROUTES and not path.startswith("/v1/models/"):
+                raise ApiError(404, f"no route {path[:200]}", code="not_found")
+        except ApiError as e:
+            self.close_connection = True
+            self.send_error_json(e)
+            return
+        self.cors_origin = origin
+        headers = {
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": "600",
+        }
+        self.send_bytes(204, b"", "text/plain", headers)
+
+    def do_PUT(self) -> None:
+        self.admit("PUT")
+
+    def do_DELETE(self) -> None:
+        self.admit("DELETE")
+
+    def do_PATCH(self) -> None:
+        self.admit("PATCH")
+
     # -- responses --
+    def end_headers(self) -> None:
+        if self.cors_origin is not None:
+            self.send_header("Access-Control-Allow-Origin", self.cors_origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
     def send_bytes(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         try:
             self.send_response(status)
@@ -119,8 +178,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             for key, value in (headers or {}).items():
                 self.send_header(key, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD" and status >= 200 and status not in (204, 304):
+                self.wfile.write(data)
         except OSError:
             self.close_connection = True  # the client left; nothing to tell it
 
@@ -130,54 +192,44 @@ class Handler(BaseHTTPRequestHandler):
     def send_error_json(self, error: ApiError) -> None:
         self.send_json(error.status, error.body(), error.headers)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (bad request line, 414, 431, 501) in OpenAI's shape instead of HTML."""
+        self.close_connection = True
+        text = message or HTTPStatus(code).phrase
+        if explain and explain != message:
+            text = f"{text}: {explain}"
+        self.send_error_json(http_error(code, text[:300]))
+
     # -- chat completions --
     def chat_completions(self) -> None:
         self.close_connection = True  # until the body is read: unread bytes must not pass for the next request
+        taken = 0
         try:
-            if self.service.state != "ok":
-                raise unavailable(self.service.state)
-            body = self.read_json_body()
-            arrival = time.monotonic()
-            self.service.check_model(body.get("model") if isinstance(body, dict) else None)
-            service = self.service
-            request = parse_chat_request(
-                body, service.limits, lambda url, param: load_image_url(url, param, service.limits, service.image_dir)
-            )
-            job = self.service.submit(request, arrival)
-        except ApiError as e:
-            self.refuse(e)
-            return
-        if request.stream:
-            self.answer_stream(job)
-        else:
-            self.answer_blocking(job)
+            try:
+                if self.service.state != "ok":
+                    raise unavailable(self.service.state)
+                media = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+                if media not in JSON_TYPES:
+                    raise http_error(415, f"Content-Type must be application/json, not {media[:60] or 'missing'!r}")
+                limit = self.service.limits.max_body_bytes
+                data, taken = read_body(self.rfile, self.headers, limit, self.service.bodies)
+                self.close_connection = False
+                job = self.service.start_chat(data, self.server.peer(self.connection, self.client_address))
+                del data  # the request keeps only what it needs (compressed images, text)
+            except ApiError as e:
+                self.refuse(e)
+                return
+            if job.request.stream:
+                self.answer_stream(job)
+            else:
+                self.answer_blocking(job)
+        finally:
+            self.service.bodies.give(taken)
 
     def refuse(self, error: ApiError) -> None:
         self.service.metrics.record_response(error.status)
-        log.info("chat completion refused: %d %s", error.status, error.message)
+        log.info("chat completion refused: %d %s", error.status, error.message[:200])
         self.send_error_json(error)
-
-    def read_json_body(self) -> object:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise ApiError(411, "chunked request bodies are not supported; send Content-Length", code="length_required")
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise ApiError(411, "a Content-Length header is required", code="length_required") from None
-        if length > self.service.limits.max_body_bytes:
-            raise ApiError(
-                413,
-                f"the request body has {length} bytes, more than the limit of {self.service.limits.max_body_bytes}",
-                code="request_too_large",
-            )
-        data = self.rfile.read(length)
-        if len(data) < length:
-            raise bad_request("the request body ended early")
-        self.close_connection = False
-        try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
 
     def client_gone(self) -> bool:
         """The peer closed its end: readable with nothing to read (poll: select() fails above fd 1023)."""
@@ -258,7 +310,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_sse("[DONE]")
                 self.log_done(job, payload)
                 return
-            elif kind == "error":
+            elif kind == "error":  # e.g. cut by a shutdown: an error, never a normal end
+                log.info("%s: ended with an error: %s", job.id, payload.message)
                 self.send_event(payload.body())
                 self.send_sse("[DONE]")
                 return
@@ -282,89 +335,3 @@ class Handler(BaseHTTPRequestHandler):
             c.finish_reason,
             c.timings.get("decode_tokens_per_s", 0.0),
         )
-
-
-class ServerMixin:
-    service: Service
-    request_queue_size = 64  # listen backlog: a burst of clients gets queued or a 429, not a refused connection
-
-
-class TCPServer(ServerMixin, ThreadingHTTPServer):
-    def __init__(self, host: str, port: int, service: Service) -> None:
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.service = service
-        super().__init__((host, port), Handler)
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # HTTPServer's would do a reverse DNS lookup of the host
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
-
-    def url(self) -> str:
-        host = self.server_name
-        return f"http://[{host}]:{self.server_port}" if ":" in host else f"http://{host}:{self.server_port}"
-
-
-class UnixServer(ServerMixin, ThreadingHTTPServer):
-    address_family = socket.AF_UNIX
-
-    def __init__(self, path: Path, service: Service) -> None:
-        self.service = service
-        self.path = path
-        super().__init__(str(path), Handler)
-
-    def server_bind(self) -> None:
-        remove_stale_socket(self.path)
-        socketserver.TCPServer.server_bind(self)
-        self.bound = True  # from now on the socket file is ours to remove
-        self.server_name, self.server_port = "localhost", 0
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, _ = self.socket.accept()
-        return conn, ("unix", 0)  # handlers expect an (address, port) pair
-
-    def server_close(self) -> None:
-        super().server_close()
-        if getattr(self, "bound", False):
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-
-    def url(self) -> str:
-        return f"unix:{self.path}"
-
-
-def remove_stale_socket(path: Path) -> None:
-    """A socket file left by a crashed run blocks bind(); remove it unless a live server still answers there."""
-    try:
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise VismmoeError(f"--unix-socket {path}: exists and is not a socket; remove it or pick another path")
-    except FileNotFoundError:
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-            return
-    raise VismmoeError(f"--unix-socket {path}: another server is listening there")
-
-
-def parse_listen(text: str) -> tuple[str, int, Path | None]:
-    """--listen unix:PATH | HOST:PORT | [V6]:PORT -> (host, port, unix socket path)."""
-    if text.startswith("unix:"):
-        return "127.0.0.1", 0, Path(text.removeprefix("unix:"))
-    host, colon, port = text.rpartition(":")
-    if not colon or not port.isdigit() or not host or int(port) > 65535:
-        raise VismmoeError(f"--listen {text!r}: use unix:PATH or HOST:PORT (127.0.0.1:8080, [::1]:8080)")
-    return host.removeprefix("[").removesuffix("]"), int(port), None
-
-
-def make_server(host: str, port: int, unix_socket: Path | None, service: Service) -> TCPServer | UnixServer:
-    try:
-        if unix_socket is not None:
-            return UnixServer(unix_socket, service)
-        return TCPServer(host, port, service)
-    except OSError as e:
-        where = unix_socket or f"{host}:{port}"
-        raise VismmoeError(f"cannot listen on {where}: {e.strerror or e}") from None
-
-

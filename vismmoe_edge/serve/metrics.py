@@ -111,6 +111,7 @@ def render(
     queue_capacity: int,
     in_flight: int,
     started: float,
+    extra: list[Sample] | None = None,
 ) -> str:
     """/metrics: our totals plus the pipeline's counters of the request in flight (`live`, or None)."""
     with m.lock:
@@ -168,5 +169,6 @@ def render(
         ("process_resident_memory_bytes", "gauge", "resident set size", [({}, process_rss_bytes())]),
         ("vismmoe_memory_available_bytes", "gauge", "MemAvailable of the host", [({}, host_mem_available())]),
         ("process_start_time_seconds", "gauge", "start time since the epoch", [({}, started)]),
+        *(extra or []),
     ]
     return prometheus(samples)

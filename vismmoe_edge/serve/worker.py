@@ -1,11 +1,13 @@
-"""The one thread that owns the Engine: a bounded FIFO of jobs, generation through `Engine.stream`, stop strings,
-cancellation between tokens, and watchdog pings as the model makes progress."""
+"""The one thread that owns the Engine: the bounded, fair queue of jobs; image decoding once a job's turn has
+come; generation through `Engine.stream` and the shared incremental detokenizer; stop strings; cancellation
+between tokens; and watchdog pings as the model makes progress."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
-import math
 import queue
 import threading
 import time
@@ -14,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.serve import sdnotify
+from vismmoe_edge.serve.admission import Admission
+from vismmoe_edge.serve.images import decode
 from vismmoe_edge.serve.protocol import (
     ApiError,
     ChatRequest,
     Completion,
     Limits,
     bad_request,
+    retry_headers,
     shutdown_error,
     timeout_error,
 )
@@ -27,6 +32,7 @@ from vismmoe_edge.serve.protocol import (
 if TYPE_CHECKING:
     from vismmoe_edge.engine import Engine
     from vismmoe_edge.prompt import PromptInputs
+    from vismmoe_edge.serve.constraints import JsonGrammars
     from vismmoe_edge.serve.metrics import Metrics
 
 log = logging.getLogger("vismmoe_edge.serve")
@@ -64,7 +70,6 @@ class StopMatcher:
             if any(s.startswith(tail) for s in self.stops):
                 return n
         return 0
-
 
 
 class Job:
@@ -111,7 +116,6 @@ class Job:
         return self._state == "abandoned"
 
 
-
 class Heartbeat:
     """Watchdog pings, sent only by the worker as it makes progress: a stuck generation stops them."""
 
@@ -142,42 +146,49 @@ def install_progress_pings(engine: Any, heartbeat: Heartbeat) -> None:
 class Worker:
     """The only thread that touches the Engine: takes jobs in FIFO order and generates their replies."""
 
-    def __init__(self, engine: Engine, limits: Limits, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, limits: Limits, metrics: Metrics, grammars: Any = None) -> None:
         self.engine = engine
         self.limits = limits
         self.metrics = metrics
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=limits.max_queue)
+        self.grammars: JsonGrammars | None = grammars  # built on the first response_format request
+        self.jobs: queue.Queue[Job] = queue.Queue()  # bounded by `admission`
+        self.admission = Admission(limits.max_queue)
         self.heartbeat = Heartbeat(sdnotify.watchdog_interval())
         if self.heartbeat.interval_s is not None:
             install_progress_pings(engine, self.heartbeat)
         self.tick_s = min(0.5, self.heartbeat.interval_s / 2) if self.heartbeat.interval_s else 0.5
         self.max_positions = int(getattr(engine.text_config, "max_position_embeddings", 0) or 0)
         self.pending = 0  # queued + running: drained when 0
-        self.pending_lock = threading.Lock()
+        self.lock = threading.Lock()  # pending, the queue's admission and `running`
         self.running: Job | None = None
+        self.running_since = 0.0
         self.cancel_all = threading.Event()  # shutdown: in-flight work stops at the next token
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, name="vismmoe-worker", daemon=True)
 
     # -- queue side (handler threads) --
-    def submit(self, job: Job) -> None:
-        with self.pending_lock:
-            try:
-                self.jobs.put_nowait(job)
-            except queue.Full:
-                retry = max(1, min(60, math.ceil(self.metrics.mean_request_s * (self.jobs.qsize() + 1))))
+    def submit(self, job: Job, client: str) -> None:
+        """Queue the job, or refuse it with 429 and the expected wait; `client` identifies retries (admission.py)."""
+        with self.lock:
+            elapsed = time.monotonic() - self.running_since if self.running is not None else None
+            wait = self.admission.decide(client, self.jobs.qsize(), elapsed)
+            if wait is not None:
                 raise ApiError(
                     429,
-                    f"the request queue is full ({self.limits.max_queue} waiting); retry later",
+                    f"the request queue is full ({self.limits.max_queue} waiting); retry in {wait:.1f} s",
                     type="rate_limit_exceeded",
                     code="queue_full",
-                    headers={"Retry-After": str(retry)},
-                ) from None
+                    headers=retry_headers(wait),
+                )
+            self.jobs.put_nowait(job)
             self.pending += 1
         self.update_status()
 
     def idle(self) -> bool:
         return self.pending == 0
+
+    def queue_depth(self) -> int:
+        return self.jobs.qsize()
 
     def abort_queued(self) -> None:
         """Shutdown: answer every job still waiting with 503."""
@@ -201,18 +212,21 @@ class Worker:
             try:
                 self.process(job)
             finally:
+                job.request.images.clear()  # the decoded and compressed images go now, not with the handler
                 self.job_finished()
+                release_freed_memory()
 
     def job_finished(self) -> None:
-        with self.pending_lock:
+        with self.lock:
             self.pending -= 1
         self.update_status()
 
     def process(self, job: Job) -> None:
         if not job.try_start():
             return  # abandoned while queued: its handler already answered
-        self.running = job
         start = time.monotonic()
+        with self.lock:
+            self.running, self.running_since = job, start
         try:
             if self.cancel_all.is_set():
                 job.cancel("shutdown")
@@ -223,24 +237,35 @@ class Worker:
             inputs = self.encode(job.request)
             job.emit("started")
             completion = self.generate(job, inputs)
-            self.metrics.record_generation(completion, time.monotonic() - start)
+            seconds = time.monotonic() - start
+            self.metrics.record_generation(completion, seconds)
+            with self.lock:
+                self.admission.times.add(seconds)
             if job.cancel_reason is not None:
                 log.info("%s: cancelled (%s) after %d tokens", job.id, job.cancel_reason, completion.completion_tokens)
             job.emit("done", completion)
         except ApiError as e:
             job.emit("error", e)
+        except VismmoeError as e:  # e.g. non-finite logits: the model, not the request, is at fault
+            log.error("request %s failed: %s", job.id, e)
+            job.emit("error", ApiError(500, str(e), type="server_error", code="model_error"))
         except Exception as e:  # a bug or a device failure: answer 500 and keep serving
             log.exception("request %s failed", job.id)
             job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
             job.finish()  # a client leaving after this point cancels nothing
-            self.running = None
+            with self.lock:
+                self.running = None
 
     def encode(self, request: ChatRequest) -> PromptInputs:
+        """Decode the images (only now: one request's pixels at a time) and build the prompt; check its length."""
+        images = [decode(image) for image in request.images]
         try:
-            inputs = self.engine.encode_messages(request.messages, request.images)
+            inputs = self.engine.encode_messages(request.messages, images)
         except (VismmoeError, ValueError) as e:
             raise bad_request(f"cannot build the prompt: {e}", "messages") from None
+        finally:
+            del images
         n = inputs.num_tokens
         if n > self.limits.max_prompt_tokens:
             raise bad_request(
@@ -266,19 +291,44 @@ class Worker:
             job.cancel("deadline")
         return job.cancel_reason is not None
 
-    def generate(self, job: Job, inputs: PromptInputs) -> Completion:
-        from vismmoe_edge.detokenize import TextStream
-        from vismmoe_edge.engine import Timings
+    def sampling(self, request: ChatRequest) -> Any:
         from vismmoe_edge.sampling import SamplingConfig
 
-        req = job.request
-        sampling = SamplingConfig(
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            min_new_tokens=req.min_tokens,
+        processors: list[Any] = []
+        if request.logit_bias or request.presence_penalty or request.frequency_penalty:
+            from vismmoe_edge.serve.constraints import LogitBias, Penalties
+
+            if request.logit_bias:
+                processors.append(LogitBias(request.logit_bias))
+            if request.presence_penalty or request.frequency_penalty:
+                processors.append(Penalties(request.presence_penalty, request.frequency_penalty))
+        if request.response_format is not None:
+            grammars = self.json_grammars()
+            grammar = request.response_format.get("grammar") or grammars.compile(request.response_format)
+            processors.append(grammars.processor(grammar))
+        return SamplingConfig(
+            max_new_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            min_new_tokens=request.min_tokens,
+            logits_processors=processors,
         )
+
+    def json_grammars(self) -> JsonGrammars:
+        if self.grammars is None:
+            from vismmoe_edge.serve.constraints import JsonGrammars
+
+            vocab = int(getattr(self.engine.text_config, "vocab_size", 0) or len(self.engine.processor.tokenizer))
+            self.grammars = JsonGrammars(self.engine.processor.tokenizer, vocab, self.engine.eos_token_ids)
+        return self.grammars
+
+    def generate(self, job: Job, inputs: PromptInputs) -> Completion:
+        """The engine's own generator and the CLI's detokenizer; what is ours is stop strings and cancellation."""
+        from vismmoe_edge.detokenize import TextStream
+        from vismmoe_edge.engine import Timings
+
+        req = job.request
         stop_ids = set(self.engine.eos_token_ids)
         detok = TextStream(self.engine.processor.tokenizer)
         stops = StopMatcher(req.stop)
@@ -286,6 +336,7 @@ class Worker:
         text: list[str] = []
         produced, finish, hit = 0, None, False
         self.metrics.absorb_expert_stats(self.engine.experts.pipeline)  # what prefetch did while idle
+        sampling = self.sampling(req)
         stream = self.engine.stream(inputs, sampling, timings=timings, should_stop=lambda: self.should_stop(job))
         with contextlib.closing(stream):
             for token in stream:
@@ -314,9 +365,11 @@ class Worker:
                 job.emit("delta", piece)
 
     def finish_reason(self, job: Job, produced: int) -> str:
-        """Out of tokens, or cut short: a deadline or a shutdown returns what exists as "length"."""
-        if job.cancel_reason in ("deadline", "shutdown") and produced == 0:
-            raise timeout_error() if job.cancel_reason == "deadline" else shutdown_error()
+        """Out of tokens ("length"); a deadline returns what exists as "length"; a shutdown is an error."""
+        if job.cancel_reason == "shutdown":
+            raise shutdown_error()
+        if job.cancel_reason == "deadline" and produced == 0:
+            raise timeout_error()
         return "length"
 
     def update_status(self) -> None:
@@ -324,3 +377,26 @@ class Worker:
             tps, done = self.metrics.last_decode_tps, self.metrics.completed
         sdnotify.status(f"serving {self.pending} requests, {tps:.1f} tok/s, {done} done")
 
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+M_MMAP_THRESHOLD = -3
+
+
+def use_mmap_for_large_allocations(threshold: int = 4 << 20) -> None:
+    """glibc raises its mmap threshold after each large free (up to 32 MiB), after which image-sized buffers come
+    from heaps that are not given back; a fixed threshold keeps them mmapped, so freeing them frees memory."""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the kernel after a job (glibc keeps them otherwise; RSS would stay high)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
