@@ -64,6 +64,7 @@ class Service(Protocol):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON answers; SSE answers close the connection
+    default_request_version = "HTTP/1.0"  # a garbled request line still gets a status line (not HTTP/0.9's none)
     server_version = "vismmoe-edge"
     timeout = 30  # per socket operation: an idle keep-alive connection or a stalled client frees its thread
     server: Any  # serve/servers.py's TCPServer or UnixServer

@@ -42,15 +42,17 @@ class PendingImage:
     data: bytes
     width: int
     height: int
-    bands: int  # channels of the decoded mode (RGBA: 4)
+    mode: str  # PIL's mode once decoded (RGB, RGBA, L, P, ...)
     param: str
     tokens: int = 0  # the processor's visual tokens for this size (0: unknown)
 
     @property
     def decoded_bytes(self) -> int:
-        """Peak bytes of decoding it: the image in its own mode, plus the RGB copy when that differs."""
+        """Bytes of the decoded image: PIL keeps RGB as 4 bytes a pixel (RGBX), plus the RGB copy when the
+        file's mode is another one."""
         pixels = self.width * self.height
-        return pixels * self.bands + (pixels * 3 if self.bands != 3 else 0)
+        own = pixels * (1 if self.mode in ("1", "L", "P") else 2 if self.mode.startswith("I;16") else 4)
+        return own + (pixels * 4 if self.mode != "RGB" else 0)
 
 
 def local_refusal(param: str) -> Exception:
@@ -71,7 +73,7 @@ def load_image_url(
         data = decode_data_url(url, param, limits)
     elif url.startswith(("http://", "https://")):
         raise bad_request(f"{param}: remote image URLs are not fetched; send a data URL", param)
-    elif url.startswith(("file:", "/")):
+    elif url.startswith(("file:", "/")) or image_dirs:  # with directories served, anything else names a file
         if not image_dirs:
             raise bad_request(
                 f"{param}: local image paths are off on this server (its operator can allow directories with "
@@ -157,7 +159,7 @@ def inspect_image(data: bytes, param: str, limits: Limits, estimate: TokenEstima
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            width, height, bands = img.width, img.height, len(img.getbands())
+            width, height, mode = img.width, img.height, img.mode
     except UnidentifiedImageError:
         raise bad_request(f"{param}: not an image format PIL can read (PNG, JPEG, WebP, ...)", param) from None
     except Image.DecompressionBombError as e:
@@ -169,7 +171,7 @@ def inspect_image(data: bytes, param: str, limits: Limits, estimate: TokenEstima
     if width * height > limits.max_image_pixels:
         raise image_too_large(param, f"{width}x{height}, more than {limits.max_image_pixels} pixels")
     tokens = estimate(width, height) if estimate is not None else 0
-    return PendingImage(data, width, height, max(3, bands), param, tokens)
+    return PendingImage(data, width, height, mode, param, tokens)
 
 
 def decode(image: PendingImage) -> Image.Image:

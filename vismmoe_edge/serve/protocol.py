@@ -374,6 +374,7 @@ class Completion:
     completion_tokens: int
     timings: dict[str, float]
     experts: dict[str, float]
+    token_ids: list[int] = field(default_factory=list)  # the reply's tokens, stop token included
 
 
 def chunk(reply_id: str, created: int, model: str, delta: dict, finish: str | None) -> dict[str, Any]:
@@ -406,7 +407,7 @@ def completion_body(reply_id: str, created: int, model: str, c: Completion) -> d
         "system_fingerprint": None,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish_reason}],
         "usage": usage(c),
-        "vismmoe": {"timings": c.timings, "experts": c.experts},  # extra fields: clients ignore them
+        "vismmoe": {"timings": c.timings, "experts": c.experts, "token_ids": c.token_ids},  # clients ignore extras
     }
 
 

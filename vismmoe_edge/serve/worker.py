@@ -334,6 +334,7 @@ class Worker:
         stops = StopMatcher(req.stop)
         timings = Timings()
         text: list[str] = []
+        tokens: list[int] = []
         produced, finish, hit = 0, None, False
         self.metrics.absorb_expert_stats(self.engine.experts.pipeline)  # what prefetch did while idle
         sampling = self.sampling(req)
@@ -341,6 +342,7 @@ class Worker:
         with contextlib.closing(stream):
             for token in stream:
                 produced += 1
+                tokens.append(token)
                 if token in stop_ids:
                     finish = "stop"
                     break
@@ -356,7 +358,7 @@ class Worker:
             finish = "stop"
         elif finish is None:
             finish = self.finish_reason(job, produced)
-        return Completion("".join(text), finish, inputs.num_tokens, produced, timings.as_dict(), experts)
+        return Completion("".join(text), finish, inputs.num_tokens, produced, timings.as_dict(), experts, tokens)
 
     def emit_text(self, job: Job, piece: str, text: list[str]) -> None:
         if piece:
