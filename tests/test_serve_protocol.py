@@ -270,7 +270,7 @@ def test_refused_clients_keep_their_place() -> None:
     assert admission.decide("b", waiting=1, running_elapsed=None) is None
     wait_c = admission.decide("c", waiting=2, running_elapsed=0.5)  # full: c gets a ticket
     wait_d = admission.decide("d", waiting=2, running_elapsed=0.5)
-    assert wait_c == pytest.approx(1.5) and wait_d == pytest.approx(3.5)  # remaining + one service per slot
+    assert wait_c == pytest.approx(0.9 * 1.5) and wait_d == pytest.approx(0.9 * 3.5)  # remaining + a service a slot
     clock.now = 1.6  # a slot frees; a newcomer arrives first
     assert admission.decide("newcomer", waiting=1, running_elapsed=0.0) is not None
     assert admission.decide("d", waiting=1, running_elapsed=0.0) is not None  # not yet d's turn

@@ -80,6 +80,7 @@ class Job:
         self.created = int(time.time())
         self.request = request
         self.deadline = deadline  # time.monotonic()
+        self.queued_at = time.monotonic()
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.cancel_reason: str | None = None
         self._state = "queued"  # -> running -> done, or -> abandoned (never started)
@@ -238,6 +239,7 @@ class Worker:
             job.emit("started")
             completion = self.generate(job, inputs)
             seconds = time.monotonic() - start
+            completion.timings |= {"queue_s": start - job.queued_at, "service_s": seconds}
             self.metrics.record_generation(completion, seconds)
             with self.lock:
                 self.admission.times.add(seconds)
