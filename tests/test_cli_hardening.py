@@ -45,18 +45,20 @@ def test_prompt_from_a_file_and_from_stdin(random_model: Path, tmp_path: Path) -
     prompt = "Describe the picture,\nline by line."  # two lines: more than one argument can comfortably carry
     (tmp_path / "p.txt").write_text(prompt)
     base = ["run", "--model", str(random_model), "--max-new-tokens", "2", "--json"]
-    answers = [
-        run_cli(*base, "--prompt", prompt),
-        run_cli(*base, "--prompt-file", str(tmp_path / "p.txt")),
-        run_cli(*base, "--prompt-file", "-", stdin=prompt),
-    ]
-    for proc in answers:
+    from_file = run_cli(*base, "--prompt-file", str(tmp_path / "p.txt"))
+    from_stdin = run_cli(*base, "--prompt-file", "-", stdin=prompt)
+    for proc in (from_file, from_stdin):
         assert proc.returncode == 0, proc.stderr
-    ids = [json.loads(p.stdout)["prompt_token_ids"] for p in answers]
-    assert ids[0] == ids[1] == ids[2]
-    one_line_error(run_cli(*base), "--prompt")
+    ids = [json.loads(p.stdout)["prompt_token_ids"] for p in (from_file, from_stdin)]
+    assert ids[0] == ids[1]
+    from vismmoe_edge.cli.run import read_prompt
+
+    assert read_prompt(prompt, None) == read_prompt(None, tmp_path / "p.txt") == prompt
+    start = time.monotonic()
+    one_line_error(run_cli(*base), "--prompt")  # neither, both, a missing file: one line, before torch loads
     one_line_error(run_cli(*base, "--prompt", "x", "--prompt-file", "-"), "--prompt")
     one_line_error(run_cli(*base, "--prompt-file", str(tmp_path / "missing.txt")), "missing.txt")
+    assert time.monotonic() - start < 30
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_prefill(random_model: Path, tmp_path: Path) -> None:

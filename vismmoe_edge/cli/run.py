@@ -64,12 +64,15 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
 ) -> None:
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    try:
+        prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
+    except VismmoeError as e:
+        raise fail(str(e)) from None
     from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.options import LoadOptions
     from vismmoe_edge.sampling import SamplingConfig
 
     try:
-        prompt = read_prompt(prompt, prompt_file)
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
         images: list[Path] = list(image or [])
         if model is None:
