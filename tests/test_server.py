@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,210 +17,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serve_support import (
+    JSON_HEADER,
+    LONG,
+    REPO,
+    NotifyListener,
+    Server,
+    assert_error,
+    data_url,
+    health,
+    iter_sse,
+    open_stream,
+    parse_prometheus,
+    random_demo_model,
+    start_raw_stream,
+    user,
+    wait_until,
+)
 
-from vismmoe_edge.server import StopMatcher
-
-REPO = Path(__file__).resolve().parents[1]
-LONG = 3000  # tokens: a generation that outlasts any test step (the demo decodes ~100 tok/s here)
-
-
-# ---- helpers ------------------------------------------------------------------------------------------
-
-
-class NotifyListener:
-    """Plays systemd's end of $NOTIFY_SOCKET: collects the datagrams the server sends."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
-        self.sock.settimeout(0.1)
-        self.messages: list[str] = []
-        self.closed = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        while not self.closed:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    def lines(self) -> list[str]:
-        return [line for message in list(self.messages) for line in message.split("\n")]
-
-    def wait_for(self, line: str, timeout: float = 5.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if line in self.lines():
-                return True
-            time.sleep(0.05)
-        return False
-
-    def close(self) -> None:
-        self.closed = True
-        self.sock.close()
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
-
-
-class Server:
-    """A `python -m vismmoe_edge.cli serve` subprocess; its log goes to a file (a full pipe would block it)."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str], unix_socket: Path | None = None):
-        self.log_path = log_path
-        self.unix_socket = unix_socket
-        full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
-        with log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vismmoe_edge.cli", "serve", *args],
-                stdout=log,
-                stderr=log,
-                env=full_env,
-                cwd=REPO,
-            )
-        self.port = 0
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            text = self.log()
-            if " ready: " in text:
-                if self.unix_socket is None:
-                    self.port = int(text.split("ready: ", 1)[1].split("127.0.0.1:", 1)[1].split()[0])
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        self.stop()
-        pytest.fail(f"the server did not become ready:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def connection(self, timeout: float = 60.0) -> http.client.HTTPConnection:
-        if self.unix_socket is not None:
-            return UnixHTTPConnection(str(self.unix_socket), timeout)
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-
-    def raw_socket(self) -> socket.socket:
-        if self.unix_socket is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(str(self.unix_socket))
-        else:
-            sock = socket.create_connection(("127.0.0.1", self.port))
-        sock.settimeout(30)
-        return sock
-
-    def request(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], Any]:
-        conn = self.connection()
-        try:
-            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-            ctype = resp.getheader("Content-Type", "")
-            return resp.status, dict(resp.getheaders()), json.loads(raw) if "json" in ctype else raw.decode()
-        finally:
-            conn.close()
-
-    def chat(self, body: dict[str, Any]) -> tuple[int, Any]:
-        status, _, payload = self.request("POST", "/v1/chat/completions", body)
-        return status, payload
-
-    def metrics(self) -> dict[str, float]:
-        status, _, text = self.request("GET", "/metrics")
-        assert status == 200
-        return parse_prometheus(text)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """{'name{labels}': value} from the text format; every sample line must parse."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            assert line.startswith(("# HELP ", "# TYPE ")) or not line, line
-            continue
-        name, value = line.rsplit(" ", 1)
-        samples[name] = float(value)
-    return samples
-
-
-def iter_sse(resp: http.client.HTTPResponse) -> Iterator[Any]:
-    """Parsed `data:` payloads of a server-sent event stream; "[DONE]" as a string."""
-    for raw in iter(resp.readline, b""):
-        line = raw.decode().rstrip("\n")
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            yield data if data == "[DONE]" else json.loads(data)
-        else:
-            assert line == "", f"unexpected SSE line {line!r}"
-
-
-def open_stream(server: Server, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    conn = server.connection()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}))
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()
-    assert resp.getheader("Content-Type") == "text/event-stream"
-    return conn, resp
-
-
-def start_raw_stream(server: Server, body: dict[str, Any]) -> socket.socket:
-    """A streaming request on a bare socket, returned once the first content delta has arrived."""
-    sock = server.raw_socket()
-    data = json.dumps({**body, "stream": True}).encode()
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Length: {len(data)}\r\n\r\n"
-    sock.sendall(head.encode() + data)
-    received = b""
-    while b'"delta": {"content"' not in received:
-        part = sock.recv(65536)
-        assert part, f"the stream ended early: {received!r}"
-        received += part
-    return sock
-
-
-def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def user(text: str, *images: str) -> list[dict[str, Any]]:
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
-def assert_error(status: int, payload: Any, expected: int, code: str | None = None) -> None:
-    assert status == expected, payload
-    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}, payload
-    assert payload["error"]["message"]
-    if code is not None:
-        assert payload["error"]["code"] == code, payload
-
+from vismmoe_edge.serve.worker import StopMatcher
 
 # ---- fixtures -----------------------------------------------------------------------------------------
 
@@ -235,10 +48,13 @@ def notify_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifyListene
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, notify_a: NotifyListener) -> Iterator[Server]:
-    """The shared TCP server: small limits so that each one is easy to cross."""
+def server(
+    tmp_path_factory: pytest.TempPathFactory, notify_a: NotifyListener, images: list[Path], big_images: dict[str, Path]
+) -> Iterator[Server]:
+    """The shared TCP server: small limits so that each one is easy to cross; local images from two directories."""
     root = tmp_path_factory.mktemp("server")
     args = ["--model", str(random_demo_model())]
+    args += ["--image-dir", str(images[0].parent), "--image-dir", str(big_images["bytes"].parent)]
     args += ["--port", "0", "--max-queue", "2", "--max-tokens", str(LONG), "--max-prompt-tokens", "300"]
     args += ["--max-image-bytes", "100KiB", "--max-image-pixels", "1000000", "--max-body-bytes", "1MiB"]
     args += ["--request-timeout", "60", "--drain-timeout", "5", "--profile", "auto"]
@@ -260,13 +76,6 @@ def big_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"bytes": root / "noise.png", "pixels": root / "wide.png"}
 
 
-def random_demo_model() -> Path:
-    """The tiny random-weight demo: these tests exercise the server, and its 64-token image cap keeps them fast."""
-    from vismmoe_edge.testing.tiny_qwen3_vl_moe import ensure_random_demo_model
-
-    return ensure_random_demo_model()
-
-
 # ---- unit: stop strings -------------------------------------------------------------------------------
 
 
@@ -283,7 +92,7 @@ def test_stop_matcher_holds_back_partial_matches() -> None:
 
 
 def test_sdnotify_outside_systemd_and_the_watchdog_interval(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from vismmoe_edge import sdnotify
+    from vismmoe_edge.serve import sdnotify
 
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sdnotify.ready("x") is False and sdnotify.watchdog() is False  # not under systemd: no-ops
@@ -391,10 +200,10 @@ def test_limits_and_bad_requests_give_openai_errors(
     server: Server, images: list[Path], big_images: dict[str, Path]
 ) -> None:
     ok = user("Hi")
-    assert_error(*server.chat({"messages": user("Hi", str(big_images["bytes"]))}), 400, "image_too_large")
+    assert_error(*server.chat({"messages": user("Hi", str(big_images["bytes"]))}), 400, "image_unavailable")
     assert_error(*server.chat({"messages": user("Hi", data_url(big_images["bytes"]))}), 400, "image_too_large")
     assert_error(*server.chat({"messages": user("Hi", str(big_images["pixels"]))}), 400, "image_too_large")
-    assert_error(*server.chat({"messages": user("Hi", "/no/such/image.png")}), 400)
+    assert_error(*server.chat({"messages": user("Hi", "/no/such/image.png")}), 400, "image_unavailable")
     assert_error(*server.chat({"messages": user("Hi", "https://example.com/a.png")}), 400)
     assert_error(*server.chat({"messages": user("word " * 400)}), 400, "context_length_exceeded")
     status, body = server.chat({"messages": ok, "max_tokens": LONG + 1})
@@ -408,7 +217,10 @@ def test_limits_and_bad_requests_give_openai_errors(
     assert_error(status, body, 400, "invalid_json")
     # 413 is decided on Content-Length alone, before a byte of the body is read
     sock = server.raw_socket()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2000000\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2000000\r\n\r\n"
+    )
     resp = http.client.HTTPResponse(sock)
     resp.begin()
     assert_error(resp.status, json.loads(resp.read()), 413)
@@ -426,7 +238,8 @@ def test_client_disconnect_cancels_generation(server: Server) -> None:
     # a non-streaming client that hangs up while it waits
     sock = server.raw_socket()
     data = json.dumps(long).encode()
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\n{JSON_HEADER}Content-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
     assert wait_until(lambda: server.metrics()["vismmoe_requests_in_flight"] == 1, timeout=10)
     sock.close()
     assert wait_until(lambda: server.metrics()[key] == before[key] + 2, timeout=10), server.log()
@@ -519,11 +332,11 @@ def test_unix_socket_deadline_and_sigterm(tmp_path: Path) -> None:
     try:
         # it listens before it loads (torch alone takes seconds to import): "loading", and 503 to work
         assert wait_until(lambda: "listening on unix:" in srv.log(), timeout=30), srv.log()
-        assert srv.request("GET", "/health")[2]["status"] == "loading"
+        assert health(srv) == (503, "loading")  # not ready: load balancers and probes wait
         assert_error(*srv.chat({"messages": user("Hi")}), 503, "loading")
         srv.wait_ready()
         assert notify.wait_for("READY=1")
-        assert srv.request("GET", "/health")[2]["status"] == "ok"
+        assert health(srv) == (200, "ok")
         assert srv.chat({"messages": user("Hi"), "max_tokens": 3})[0] == 200
 
         # a request past its deadline returns what it has, as "length"
@@ -538,13 +351,20 @@ def test_unix_socket_deadline_and_sigterm(tmp_path: Path) -> None:
         events = iter_sse(resp)
         while "content" not in next(events)["choices"][0]["delta"]:
             pass  # wait for the first generated token
+        queued: list[tuple[int, Any]] = []  # a non-streaming request waiting behind it
+        waiter = threading.Thread(target=lambda: queued.append(srv.chat({"messages": user("Hi"), "max_tokens": 2})))
+        waiter.start()
+        assert wait_until(lambda: srv.metrics()["vismmoe_queue_depth"] == 1, timeout=10)
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: srv.request("GET", "/health")[2]["status"] == "draining", timeout=2)
+        assert wait_until(lambda: health(srv) == (503, "draining"), timeout=2)
         assert_error(*srv.chat({"messages": user("Hi"), "max_tokens": 2}), 503, "draining")
         rest = list(events)
         conn.close()
-        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "shutdown"  # an error, not "length"
+        assert all(e["choices"][0]["finish_reason"] is None for e in rest[:-2])
+        waiter.join(timeout=10)
+        assert_error(*queued[0], 503, "shutdown")
         assert srv.proc.wait(timeout=15) == 0
         assert time.monotonic() - start < 1 + 5
         assert not path.exists()
@@ -573,7 +393,9 @@ def test_sigterm_while_loading_and_a_failed_load(tmp_path: Path) -> None:
 def test_worker_answers_504_to_a_job_past_its_deadline() -> None:
     from types import SimpleNamespace
 
-    from vismmoe_edge.server import ChatRequest, Job, Limits, Metrics, Worker
+    from vismmoe_edge.serve.metrics import Metrics
+    from vismmoe_edge.serve.protocol import ChatRequest, Limits
+    from vismmoe_edge.serve.worker import Job, Worker
 
     engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
     metrics = Metrics()
@@ -590,8 +412,8 @@ def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     import typer.main
 
     from vismmoe_edge.cli.serve import serve_command
-    from vismmoe_edge.server import parse_listen
-    from vismmoe_edge.service import SERVE_SETTINGS
+    from vismmoe_edge.serve.servers import parse_listen
+    from vismmoe_edge.serve.systemd import SERVE_SETTINGS
 
     app = typer.Typer()
     app.command()(serve_command)
@@ -602,7 +424,8 @@ def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     assert parse_listen("[::1]:8080") == ("::1", 8080, None)
 
 
-def test_help_is_fast_and_does_not_import_torch() -> None:
-    code = "import sys, vismmoe_edge.server; print('torch' in sys.modules or 'transformers' in sys.modules)"
+def test_the_daemon_modules_import_nothing_heavy() -> None:
+    modules = ", ".join(f"vismmoe_edge.serve.{m}" for m in ("daemon", "http", "worker", "images", "systemd"))
+    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'transformers', 'PIL') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"

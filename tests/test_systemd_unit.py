@@ -16,14 +16,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from vismmoe_edge import service
 from vismmoe_edge.cli.serve import install_service_command
+from vismmoe_edge.serve import systemd as service
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_UNIT = REPO / "systemd" / "vismmoe-edge.service"
 SHIPPED_ENV = REPO / "systemd" / "vismmoe-edge.env"
 REGENERATE = (
-    'regenerate: python -c "from pathlib import Path; from vismmoe_edge.service import render_unit, render_env; '
+    'regenerate: python -c "from pathlib import Path; from vismmoe_edge.serve.systemd import render_unit, render_env; '
     "Path('systemd/vismmoe-edge.service').write_text(render_unit()); "
     "Path('systemd/vismmoe-edge.env').write_text(render_env())\""
 )

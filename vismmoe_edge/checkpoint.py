@@ -174,8 +174,14 @@ def find_shards(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     if index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise VismmoeError(f"{index_path}: not a valid safetensors index (no weight_map); re-download it") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v and Path(v).name == v for k, v in weight_map.items()
+        ):
+            raise VismmoeError(
+                f"{index_path}: weight_map must map tensor names to shard file names in the directory; re-download it"
+            )
         shards = sorted({directory / f for f in weight_map.values()})
         missing = [s for s in shards if not s.exists()]
         if missing:

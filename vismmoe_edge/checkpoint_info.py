@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, read_tensor_table
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.registry import model_family
 
@@ -43,7 +44,13 @@ def inspect_checkpoint(model_dir: str | Path | None) -> CheckpointInfo:
         model_dir = ensure_demo_model()
     model_dir = Path(model_dir).expanduser()
     family = model_family(model_dir)  # by config.json's model_type; anything else is one-line refused
-    config = family.read_config(model_dir)
+    try:
+        config = family.read_config(model_dir)
+    except VismmoeError:
+        raise
+    except Exception as e:  # transformers' config classes raise many types for a field of the wrong type or shape
+        reason = " ".join(str(e).split())[:200]
+        raise VismmoeError(f"{model_dir / 'config.json'}: malformed ({reason}); re-download it") from e
     table = family.select_tensors(config, read_tensor_table(model_dir))
     catalogue = family.catalogue_for(config, table)
     return CheckpointInfo(model_dir, family, config, table, catalogue, is_demo)

@@ -2,50 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from vismmoe_edge.errors import VismmoeError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+from vismmoe_edge.units import parse_size
 
 
 def parse_budget(text: str, total_bytes: int) -> int:
     """Bytes from "2GiB", "1.5GB", "512MiB", "123456" or a share of `total_bytes` such as "40%"."""
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError as e:
-            raise VismmoeError(f"memory budget {text!r}: not a percentage; use e.g. 40%") from e
-        if not 0 < share <= 100:
-            raise VismmoeError(f"memory budget {text!r}: a percentage must be in (0, 100]")
-        return int(total_bytes * share / 100)
-    m = _SIZE.match(text)
-    unit = m["unit"].lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise VismmoeError(f"memory budget {text!r}: use a size like 2GiB, 512MiB, 8GB, or a share like 40%")
-    value = int(float(m["value"]) * _UNITS[unit])
-    if value <= 0:
-        raise VismmoeError(f"memory budget {text!r} must be positive")
-    return value
+    return parse_size(text, what="memory budget", total=total_bytes)
 
 
 def resolve_device(name: str) -> torch.device:

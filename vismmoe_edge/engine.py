@@ -402,6 +402,7 @@ class Engine:
         timings = timings if timings is not None else Timings()
         start = time.perf_counter()
         logits, state = self.prefill(inputs, timings)
+        self._check_finite(logits, "prefill", self.prefill, inputs)
         token = sampler(logits, 0)
         if sampling.max_new_tokens > 1 and token not in stop_ids:
             self.start_decode(state, sampling.max_new_tokens)
@@ -412,12 +413,47 @@ class Engine:
         while produced < sampling.max_new_tokens and token not in stop_ids:
             if should_stop is not None and should_stop():
                 return
+            position = state.next_position
             logits = self.decode_step(token, state)
+            self._check_finite(logits, f"decode step {produced}", self._replay_decode, token, state, position)
             token = sampler(logits, produced)
             produced += 1
             timings.decode_tokens += 1
             timings.decode_s = time.perf_counter() - decode_start
             yield token
+
+    def _check_finite(self, logits: torch.Tensor, step: str, replay: Callable[..., object], *args: Any) -> None:
+        """Stop on NaN/Inf logits, naming the first decoder layer whose output was not finite. The normal path
+        costs one reduction over the vocabulary (the sampler syncs on the logits anyway); only a failed step is
+        run again, with a check after each layer."""
+        if bool(torch.isfinite(logits).all()):
+            return
+        found: list[int] = []
+
+        def probe(index: int) -> Callable[..., None]:
+            def check(module: object, args: object, output: Any) -> None:
+                out = output[0] if isinstance(output, tuple) else output
+                if not found and not bool(torch.isfinite(out).all()):
+                    found.append(index)
+
+            return check
+
+        handles = [layer.register_forward_hook(probe(i)) for i, layer in enumerate(self.language_model.layers)]
+        try:
+            replay(*args)
+        finally:
+            for handle in handles:
+                handle.remove()
+        where = f"decoder layer {found[0]}" if found else "the final norm or lm_head"
+        raise VismmoeError(
+            f"non-finite logits at {step}: the first non-finite output is {where}'s; the weights or inputs hold "
+            "NaN or Inf (check the checkpoint, or try --dtype float32)"
+        )
+
+    def _replay_decode(self, token: int, state: DecodeState, position: int) -> None:
+        state.cache.crop(-1)  # undo the failed step's KV entry, then run it again
+        state.next_position = position
+        self.decode_step(token, state)
 
     def generate(
         self,

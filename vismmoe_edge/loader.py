@@ -24,9 +24,12 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
         try:
-            candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError as e:
+            generation = json.loads(gen_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise VismmoeError(f"{gen_path}: not valid JSON ({e})") from e
+        if not isinstance(generation, dict):
+            raise VismmoeError(f"{gen_path}: not a JSON object; re-download it")
+        candidates.append(generation.get("eos_token_id"))
     candidates.append(getattr(config.get_text_config(), "eos_token_id", None))  # type: ignore[attr-defined]
     candidates.append(getattr(tokenizer, "eos_token_id", None))
     for value in candidates:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+# (tokens generated so far, this step's float32 CPU logits) -> the logits to sample from. The daemon's
+# logit_bias, penalties and JSON constraints are these (vismmoe_edge/serve/constraints.py).
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -15,6 +20,7 @@ class SamplingConfig:
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # None: the checkpoint's EOS tokens
     min_new_tokens: int = 0  # stop tokens are masked until this many tokens exist (as transformers does)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order, before the rest
 
     def validate(self) -> None:
         from vismmoe_edge.errors import VismmoeError
@@ -36,10 +42,20 @@ class Sampler:
             self.generator.manual_seed(config.seed)
         else:
             self.generator.seed()
+        self.generated: list[int] = []  # what the logits processors see
 
     def __call__(self, logits: torch.Tensor, produced: int) -> int:
         """logits [vocab] in float32; `produced` is how many tokens were generated before this one."""
+        token = self._choose(logits, produced)
+        self.generated.append(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor, produced: int) -> int:
         logits = logits.float().cpu()
+        if self.config.logits_processors:
+            logits = logits.clone()  # processors work in place; the model's tensor stays untouched
+            for process in self.config.logits_processors:
+                logits = process(self.generated, logits)
         if produced < self.config.min_new_tokens and self.stop_token_ids:
             logits = logits.clone()
             logits[self.stop_token_ids] = float("-inf")

@@ -6,10 +6,27 @@ neither torch nor transformers at module level, so `--help` stays fast (tests/te
 
 from __future__ import annotations
 
-import typer
+import signal
+import sys
 
-from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve
-from vismmoe_edge.cli import eval as eval_
+
+def _stopped_while_starting(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # systemd stopped the daemon before it was up: a clean stop, not a crash (143)
+
+
+if sys.argv[1:2] == ["serve"]:
+    # First thing: the imports below take a while, and `serve` installs its own handlers only once they are done.
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
+
+import typer  # noqa: E402
+
+try:  # typer >= 0.20 carries its own click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef]
+
+from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve  # noqa: E402
+from vismmoe_edge.cli import eval as eval_  # noqa: E402
 
 app = typer.Typer(
     help="Run vision-language MoE models larger than memory (Jetson Orin, desktop GPUs, CPU).",
@@ -34,4 +51,20 @@ app.command("export-predictor")(predictor.export_predictor_command)
 
 
 def main() -> None:
-    app()
+    """The entry point: usage errors (a missing option, `--top-p 2`) are one line, like every other error."""
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:
+        typer.echo(e.ctx.get_help() if e.ctx is not None else str(e))
+        sys.exit(0)
+    except UsageError as e:
+        hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        typer.echo(f"error: {' '.join(e.format_message().split())}{hint}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except ClickException as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -33,3 +33,11 @@ def plan_and_load(model: Path | None, options: LoadOptions) -> tuple[Engine, str
 
     engine, resolved = load_engine(model, options)
     return engine, resolved.note
+
+
+def demo_model() -> Path:
+    """The built-in demo model, for commands run without a model (as `run` does); says so on stderr."""
+    from vismmoe_edge.demo import ensure_demo_model
+
+    typer.echo("note: no model given: using the built-in demo model (docs/demo-model.md)", err=True)
+    return ensure_demo_model()

@@ -8,12 +8,14 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.common import demo_model, fail
 from vismmoe_edge.errors import VismmoeError
 
 
 def plan_command(
-    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory")],
+    model_dir: Annotated[
+        Path | None, typer.Argument(help="Hugging Face model directory; omit for the built-in demo model")
+    ] = None,
     profile: Annotated[str, typer.Option("--profile", help="a profile name, or auto (detect board and mode)")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     l_semantic: Annotated[
@@ -30,7 +32,7 @@ def plan_command(
     try:
         chosen, reason, profile_warnings = select_profile(profile)
         plan = make_plan(
-            model_dir,
+            model_dir if model_dir is not None else demo_model(),
             chosen,
             l_semantic=l_semantic,
             c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),

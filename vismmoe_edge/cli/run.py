@@ -32,7 +32,11 @@ from vismmoe_edge.errors import VismmoeError
 
 
 def run(
-    prompt: Annotated[str, typer.Option("--prompt", help="the question or instruction")],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="the question or instruction")] = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option("--prompt-file", help="read the prompt from this file ('-': standard input) instead of --prompt"),
+    ] = None,
     model: ModelOpt = None,
     image: ImageOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
@@ -62,6 +66,10 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
 ) -> None:
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    try:
+        prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
+    except VismmoeError as e:
+        raise fail(str(e)) from None
     from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.sampling import SamplingConfig
 
@@ -84,6 +92,7 @@ def run(
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
         inputs = engine.encode(prompt, images)
+        check_context(inputs.num_tokens, max_new_tokens, engine)
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
         try:
@@ -140,3 +149,29 @@ def run(
         f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
         err=True,
     )
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """--prompt TEXT, or --prompt-file PATH ('-' reads standard input): exactly one of them."""
+    if (prompt is None) == (prompt_file is None):
+        raise VismmoeError("give the prompt with --prompt TEXT or --prompt-file PATH ('-' for standard input)")
+    if prompt is not None:
+        return prompt
+    assert prompt_file is not None
+    if str(prompt_file) == "-":
+        return sys.stdin.read()
+    try:
+        return prompt_file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise VismmoeError(f"--prompt-file {prompt_file}: cannot read it ({reason})") from None
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, engine: object) -> None:
+    """Refuse before prefill a prompt the model cannot hold: prefill of an over-long prompt takes minutes."""
+    limit = int(getattr(getattr(engine, "text_config", None), "max_position_embeddings", 0) or 0)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise VismmoeError(
+            f"the prompt is {prompt_tokens} tokens; with --max-new-tokens {max_new_tokens} that is more than the "
+            f"model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+        )

@@ -9,10 +9,21 @@ from typing import Annotated
 import typer
 
 from vismmoe_edge.cli.common import fail
-from vismmoe_edge.cli.options import AffinityWeightOpt, CompressorOpt, KeepRatioOpt, SalientRatioOpt
+from vismmoe_edge.cli.options import (
+    AffinityWeightOpt,
+    CompressorOpt,
+    HostTierOpt,
+    KeepRatioOpt,
+    PrefetchDepthOpt,
+    SalientRatioOpt,
+)
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.server import Limits, ServeOptions, parse_listen, parse_size, serve
-from vismmoe_edge.service import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
+from vismmoe_edge.serve.daemon import ServeOptions, serve
+from vismmoe_edge.serve.policy import parse_origin
+from vismmoe_edge.serve.protocol import Limits
+from vismmoe_edge.serve.servers import parse_listen
+from vismmoe_edge.serve.systemd import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
+from vismmoe_edge.units import parse_size
 
 
 def serve_command(
@@ -49,7 +60,9 @@ def serve_command(
             "--predictor", help="prefetch driver: auto, none, learned, next-layer-gate, previous-token, or a .onnx file"
         ),
     ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="eviction: lru or popularity")] = "lru",
+    policy: Annotated[str, typer.Option("--policy", help="eviction: popularity or lru")] = "popularity",
+    host_tier: HostTierOpt = "auto",
+    prefetch_depth: PrefetchDepthOpt = None,
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,
     salient_ratio: SalientRatioOpt = 0.3,
@@ -58,7 +71,28 @@ def serve_command(
         str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
     ] = "auto",
     image_dir: Annotated[
-        Path | None, typer.Option("--image-dir", help="local image paths must lie under this directory")
+        list[Path] | None,
+        typer.Option(
+            "--image-dir",
+            help="serve local image paths (file:// or /abs) from under this directory; repeatable; default: none "
+            "(local paths off, data URLs only)",
+        ),
+    ] = None,
+    allowed_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-origin",
+            help="a browser origin (http://host:port) allowed to call the API; repeatable; default: none",
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="VISMMOE_EDGE_API_KEY",
+            show_envvar=True,
+            help="require Authorization: Bearer KEY on /v1/ (prefer the environment variable: argv is public)",
+        ),
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting; more get 429")] = 8,
     max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 4096,
@@ -68,7 +102,16 @@ def serve_command(
     max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="per image, e.g. 20MiB")] = "20MiB",
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1)] = 4096 * 4096,
     max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
-    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "64MiB",
+    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "32MiB",
+    max_decoded_bytes: Annotated[
+        str, typer.Option("--max-decoded-bytes", help="a request's images once decoded (from their headers)")
+    ] = "256MiB",
+    max_pending_bytes: Annotated[
+        str, typer.Option("--max-pending-bytes", help="request bodies held at once; more get 503")
+    ] = "256MiB",
+    max_connections: Annotated[
+        int, typer.Option("--max-connections", min=1, help="open client connections; more get 503")
+    ] = 64,
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", min=0.1, help="seconds from arrival, queueing included")
     ] = 300.0,
@@ -86,8 +129,11 @@ def serve_command(
     )
     try:
         limits = Limits(
-            max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
-            max_image_bytes=parse_size(max_image_bytes, "--max-image-bytes"),
+            max_body_bytes=parse_size(max_body_bytes, what="--max-body-bytes"),
+            max_image_bytes=parse_size(max_image_bytes, what="--max-image-bytes"),
+            max_decoded_bytes=parse_size(max_decoded_bytes, what="--max-decoded-bytes"),
+            max_pending_bytes=parse_size(max_pending_bytes, what="--max-pending-bytes"),
+            max_connections=max_connections,
             max_image_pixels=max_image_pixels,
             max_images=max_images,
             max_prompt_tokens=max_prompt_tokens,
@@ -95,9 +141,8 @@ def serve_command(
             max_queue=max_queue,
             request_timeout_s=request_timeout,
         )
-        from vismmoe_edge.compress.prune import CompressionConfig
-
-        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
+        # Built by the daemon after it listens: CompressionConfig imports torch (seconds).
+        compression = (compressor, keep_ratio, salient_ratio, affinity_weight)
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
         options = ServeOptions(
@@ -115,7 +160,11 @@ def serve_command(
             policy=policy,
             compression=compression,
             profile=profile,
-            image_dir=image_dir,
+            prefetch_depth=prefetch_depth,
+            host_tier=host_tier,
+            image_dirs=tuple(image_dir or ()),
+            allowed_origins=tuple(parse_origin(o) for o in allowed_origin or ()),
+            api_key=api_key or None,
             limits=limits,
             drain_timeout_s=drain_timeout,
             load_timeout_s=load_timeout,
@@ -141,7 +190,7 @@ def install_service_command(
     predictor: Annotated[
         str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
     ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="lru or popularity")] = "lru",
+    policy: Annotated[str, typer.Option("--policy", help="popularity or lru")] = "popularity",
     compressor: Annotated[
         str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
     ] = "none",

@@ -26,6 +26,11 @@ def load_processor(model_dir: Path, processor_class: type[ProcessorMixin]) -> Pr
         raise VismmoeError(f"cannot load the processor from {model_dir}: {type(exc).__name__}: {reason}") from exc
     if not proc.chat_template:
         raise VismmoeError(f"the processor in {model_dir} has no chat template: add chat_template.jinja or .json")
+    try:  # a template that does not compile fails here, with its file named, not on the first prompt
+        proc.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2's TemplateError and whatever the template raises
+        reason = " ".join(str(exc).split())[:200]
+        raise VismmoeError(f"the chat template in {model_dir} is broken: {type(exc).__name__}: {reason}") from exc
     return proc
 
 

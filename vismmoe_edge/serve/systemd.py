@@ -28,6 +28,7 @@ STATE_DIR = Path("/var/lib/vismmoe-edge")  # StateDirectory=: the service user's
 CACHE_DIR = Path("/var/cache/vismmoe-edge")  # CacheDirectory=: the demo model, Hugging Face caches
 DEFAULT_MODEL = STATE_DIR / "models/Qwen3-VL-30B-A3B-Instruct"
 DEFAULT_LISTEN = "unix:/run/vismmoe-edge/api.sock"  # RuntimeDirectory=vismmoe-edge
+DEFAULT_IMAGE_DIR = STATE_DIR / "images"  # StateDirectory=vismmoe-edge/images: local image paths come from here only
 # video: Jetson's /dev/nvhost-*, /dev/nvmap and /dev/nvgpu/* are root:video 0660 (desktop /dev/nvidia* are 0666).
 # jtop: /run/jtop.sock is root:jtop 0660 (jetson.md §4.1).
 DEFAULT_GROUPS = ("video", "jtop")
@@ -74,7 +75,7 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
         "Prefetch: auto (the learned vismmoe-predictor.onnx beside the model if present, else none), none,\n"
         "learned, next-layer-gate, previous-token, or a .onnx file.",
     ),
-    ServeSetting("VISMMOE_EDGE_POLICY", "--policy", "lru", "Eviction: lru or popularity."),
+    ServeSetting("VISMMOE_EDGE_POLICY", "--policy", "popularity", "Eviction: popularity or lru."),
     ServeSetting(
         "VISMMOE_EDGE_COMPRESSOR",
         "--compressor",
@@ -96,6 +97,14 @@ SERVE_SETTINGS: tuple[ServeSetting, ...] = (
         "Where the API listens: unix:PATH (PATH under /run/vismmoe-edge, the RuntimeDirectory) or HOST:PORT,\n"
         "e.g. 127.0.0.1:8080, or 0.0.0.0:8080 to serve the robot's network.",
     ),
+    ServeSetting(
+        "VISMMOE_EDGE_IMAGE_DIR",
+        "--image-dir",
+        str(DEFAULT_IMAGE_DIR),
+        "The one directory whose image files clients may name by path (file:///... or /abs/path); anything\n"
+        "outside it is refused, and so is every symlink leading out. Empty: local paths off (data URLs only).\n"
+        "More directories: --image-dir DIR in VISMMOE_EDGE_EXTRA_ARGS. Writers need group vismmoe and g+w on it.",
+    ),
     ServeSetting("VISMMOE_EDGE_MAX_NEW_TOKENS", "--max-new-tokens", "512", "Request limit: tokens per reply."),
     ServeSetting("VISMMOE_EDGE_MAX_IMAGES", "--max-images", "8", "Request limit: images per request."),
     ServeSetting("VISMMOE_EDGE_MAX_QUEUE", "--max-queue", "8", "Request limit: requests waiting; more get HTTP 429."),
@@ -108,6 +117,12 @@ EXTRA_ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("HF_HUB_OFFLINE", "1", "Robots are often offline: never wait on the Hub; the model is local."),
     ("PYTHONUNBUFFERED", "1", "Log lines reach the journal as they are written."),
     ("PYTHONFAULTHANDLER", "1", "A watchdog SIGABRT dumps every thread's Python stack to the journal."),
+    (
+        "VISMMOE_EDGE_API_KEY",
+        "",
+        "If set, /v1/ requests need Authorization: Bearer <this key> (read from the environment, never argv,\n"
+        "so ps does not show it; this file is written mode 0600). Empty: no key (the socket's group decides).",
+    ),
     (
         "VISMMOE_EDGE_EXTRA_ARGS",
         "",
@@ -181,10 +196,11 @@ CPUWeight=50
 IOWeight=200
 
 # Directories systemd creates, owned by User=, writable even under ProtectSystem=strict:
-#   /run/vismmoe-edge (the Unix socket), /var/lib/vismmoe-edge (home, models), /var/cache/vismmoe-edge.
+#   /run/vismmoe-edge (the Unix socket), /var/lib/vismmoe-edge (home, models; images/ is --image-dir),
+#   /var/cache/vismmoe-edge.
 # If one exists with another owner, systemd chowns it recursively to User= at start (models placed there included).
 RuntimeDirectory=vismmoe-edge
-StateDirectory=vismmoe-edge
+StateDirectory=vismmoe-edge vismmoe-edge/images
 CacheDirectory=vismmoe-edge
 # Socket clients need write permission on the socket: they join group vismmoe (usermod -aG vismmoe USER);
 # others cannot reach /run/vismmoe-edge at all.
@@ -431,6 +447,7 @@ def install_service(
             env_path.parent.mkdir(parents=True, exist_ok=True)
             if force or not env_path.exists():
                 env_path.write_text(env_text)
+                env_path.chmod(0o600)  # it may hold VISMMOE_EDGE_API_KEY; systemd reads it as root
                 env_written = True
         except PermissionError as e:
             raise VismmoeError(f"cannot write {e.filename}: run with sudo, or use --dest DIR") from e

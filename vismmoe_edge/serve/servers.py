@@ -1,0 +1,168 @@
+"""The listening side: a TCP or Unix-socket server with one thread per connection, and a cap on connections.
+
+Past --max-connections a new connection is answered 503 at once from the accepting thread and closed, so a
+flood of idle or slow clients costs no thread and cannot grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import socketserver
+import stat
+import struct
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.serve.http import Handler, Service
+from vismmoe_edge.serve.protocol import busy
+
+
+class ServerMixin:
+    service: Service
+    request_queue_size = 64  # listen backlog: a burst of clients gets queued or a 429, not a refused connection
+    daemon_threads = True
+
+    def init_cap(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self.connections = 0
+        self.connections_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            refuse_connection(request, self.max_connections)
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        try:
+            super().process_request(request, client_address)  # type: ignore[misc]
+        except BaseException:
+            with self.connections_lock:
+                self.connections -= 1
+            raise
+
+    def peer(self, sock: socket.socket, address: Any) -> str:
+        return peer_identity(sock, address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            with self.connections_lock:
+                self.connections -= 1
+
+
+def refuse_connection(sock: socket.socket, cap: int) -> None:
+    """503 in OpenAI's shape, written without reading the request (it may never come)."""
+    error = busy(f"too many open connections (the limit is {cap}); retry shortly", "too_many_connections")
+    body = json.dumps(error.body()).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: {error.headers['Retry-After']}\r\nConnection: close\r\n\r\n"
+    )
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.recv(65536)  # what has arrived already: unread data would turn our close into a reset
+        sock.settimeout(0.5)
+        sock.sendall(head.encode() + body)
+
+
+class TCPServer(ServerMixin, ThreadingHTTPServer):
+    def __init__(self, host: str, port: int, service: Service) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.service = service
+        self.init_cap(service.limits.max_connections)
+        super().__init__((host, port), Handler)
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)  # HTTPServer's would do a reverse DNS lookup of the host
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+    def url(self) -> str:
+        host = self.server_name
+        return f"http://[{host}]:{self.server_port}" if ":" in host else f"http://{host}:{self.server_port}"
+
+
+class UnixServer(ServerMixin, ThreadingHTTPServer):
+    address_family = socket.AF_UNIX
+
+    def __init__(self, path: Path, service: Service) -> None:
+        self.service = service
+        self.path = path
+        self.init_cap(service.limits.max_connections)
+        super().__init__(str(path), Handler)
+
+    def server_bind(self) -> None:
+        remove_stale_socket(self.path)
+        socketserver.TCPServer.server_bind(self)
+        self.bound = True  # from now on the socket file is ours to remove
+        self.server_name, self.server_port = "localhost", 0
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, _ = self.socket.accept()
+        return conn, ("unix", 0)  # handlers expect an (address, port) pair
+
+    def server_close(self) -> None:
+        super().server_close()
+        if getattr(self, "bound", False):
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def url(self) -> str:
+        return f"unix:{self.path}"
+
+
+def peer_identity(sock: socket.socket, address: Any) -> str:
+    """Who is on the other end: the IP address, or on a Unix socket the peer's uid (SO_PEERCRED)."""
+    if sock.family == socket.AF_UNIX:
+        with contextlib.suppress(OSError, AttributeError):
+            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return f"uid:{uid}"
+        return "unix"
+    return str(address[0]) if address else "?"
+
+
+def remove_stale_socket(path: Path) -> None:
+    """A socket file left by a crashed run blocks bind(); remove it unless a live server still answers there."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise VismmoeError(f"--unix-socket {path}: exists and is not a socket; remove it or pick another path")
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+            return
+    raise VismmoeError(f"--unix-socket {path}: another server is listening there")
+
+
+def parse_listen(text: str) -> tuple[str, int, Path | None]:
+    """--listen unix:PATH | HOST:PORT | [V6]:PORT -> (host, port, unix socket path)."""
+    if text.startswith("unix:"):
+        return "127.0.0.1", 0, Path(text.removeprefix("unix:"))
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdigit() or not host or int(port) > 65535:
+        raise VismmoeError(f"--listen {text!r}: use unix:PATH or HOST:PORT (127.0.0.1:8080, [::1]:8080)")
+    return host.removeprefix("[").removesuffix("]"), int(port), None
+
+
+def make_server(host: str, port: int, unix_socket: Path | None, service: Service) -> TCPServer | UnixServer:
+    try:
+        if unix_socket is not None:
+            return UnixServer(unix_socket, service)
+        return TCPServer(host, port, service)
+    except OSError as e:
+        where = unix_socket or f"{host}:{port}"
+        raise VismmoeError(f"cannot listen on {where}: {e.strerror or e}") from None
+
+
