@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve
+from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, quantize, run, serve
 from vismmoe_edge.cli import eval as eval_
 
 app = typer.Typer(
@@ -20,6 +20,7 @@ app = typer.Typer(
 
 app.command("run")(run.run)
 app.command("info")(info.info)
+app.command("quantize")(quantize.quantize_command)
 app.command("doctor")(doctor.doctor)
 app.command("plan")(plan.plan_command)
 app.command("serve")(serve.serve_command)
