@@ -73,7 +73,10 @@ class OffloadedExperts(nn.Module):
         start = time.perf_counter()
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = getattr(pipeline.tier, "pool", None)
-        if pool is not None:
+        # The batched call holds all the layer's routed experts at once; a prefill that routes more streamed experts
+        # than the cache has slots would wait forever for a free slot, so it takes them one at a time instead.
+        streamed = sum((self.layer, e) not in pipeline.pinned for e in order)
+        if pool is not None and streamed <= pipeline.capacity:
             slot_of = self._acquire_slots(order)
             slots = torch.tensor([[slot_of[int(e)] for e in row] for row in index_cpu.tolist()], device=pool.device)
             out = self.pool_compute(hidden_states, slots, top_k_weights)
