@@ -11,3 +11,6 @@ fi
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.get_device_name(0))'
 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k cuda 2>&1 | tee "${OUT:-/tmp}/gpu_checks.log"
+# quantized experts (issue 16): kernels, then the engine's quantized slot pool, graphs and timings (~2-3 min)
+python3 tools/device/quant_checks.py --out "${OUT:-/tmp}/quant.json" 2>&1 | tail -n 40
+python3 tools/device/quant_engine_checks.py --out "${OUT:-/tmp}/quant_engine.json" 2>&1 | tail -n 40
