@@ -261,6 +261,7 @@ def run_llamacpp(args: argparse.Namespace, cap_bytes: int, gguf: Path, name: str
         runs=runs or args.repeats,
         log=lambda line: None,
         timeout=args.llama_timeout,
+        extra_args=tuple(args.llama_args.split()),
     )
     if result.tok_s_median is None:
         return {"strategy": name, "cap_bytes": cap_bytes, "error": str([r.error for r in result.runs])}
@@ -322,6 +323,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--llama-gguf", action="append", help="NAME=PATH of the same weights as GGUF (repeatable)")
     ap.add_argument("--llama-timeout", type=float, default=900, help="seconds per llama-bench process")
+    ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '--repack 0'")
     ap.add_argument("--quant-model", type=Path, help="our quantized copy of --model, for the q:<strategy> rows")
     ap.add_argument("--resident", default="resident", help="comma-separated all-resident baselines to time")
     ap.add_argument("--llama-build", type=Path, help="llama.cpp build directory (bin/llama-bench)")
@@ -408,6 +410,7 @@ def main() -> None:
         "quant_model": str(args.quant_model) if args.quant_model else None,
         "llama_ggufs": {name: str(path) for name, path in ggufs.items()},
         "command": " ".join(sys.argv),
+        "llama_args": args.llama_args,
         "checkpoint_bytes": checkpoint_bytes,
         "routing": args.routing,
         "trace": str(args.trace) if args.trace else None,
