@@ -115,3 +115,14 @@ def test_a_dense_expert_left_in_a_quantized_checkpoint_is_one_line(copy: Path, s
     dense = Path(shutil.copytree(source, copy.parent / "dense"))
     shutil.copy(copy / "config.json", dense / "config.json")
     assert_one_line_error(run_cli("info", str(dense)), "is a dense expert in a quantized checkpoint")
+
+
+def test_the_planner_counts_quantized_bytes(quantized: Path, source: Path) -> None:
+    """S_e and S_layer are the records' bytes: the same memory holds ~4x the int4 experts it holds in fp32."""
+    from vismmoe_edge.hardware.profiles import get_profile
+    from vismmoe_edge.plan import make_plan
+
+    q = make_plan(quantized, get_profile("orin-nano-8gb-super--maxn-super"), mem_available=10**9, c_safe=0)
+    dense = make_plan(source, get_profile("orin-nano-8gb-super--maxn-super"), mem_available=10**9, c_safe=0)
+    assert q.bytes_per_expert == 23040 and dense.bytes_per_expert == 3 * 128 * 96 * 4  # int4 g32 record; fp32
+    assert q.s_layer_bytes == 16 * q.bytes_per_expert and "int4-g32" in " ".join(q.why)
