@@ -13,6 +13,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,6 +101,9 @@ class ExpertCatalogue:
     moe_layers: list[int]
     experts: dict[tuple[int, int], ExpertLocation]
     tensor_names: set[str] = field(default_factory=set)  # checkpoint keys that hold routed experts
+    # Quantized checkpoints (layout "quantized"): the quant.record.ExpertSpec of every expert, whose one part is
+    # its whole record (kind "record", U8); None for float experts.
+    quant: Any = None
 
     def expert(self, layer: int, expert: int) -> ExpertLocation:
         return self.experts[(layer, expert)]

@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo, read_tensor_table
+import torch
+
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, TensorInfo, read_tensor_table
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.registry import model_family
+from vismmoe_edge.quant.catalogue import checkpoint_catalogue
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,18 @@ class CheckpointInfo:
         """Every tensor that is not a routed expert: loaded once and kept in memory."""
         return {name: info for name, info in self.table.items() if name not in self.catalogue.tensor_names}
 
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The weights' float dtype as stored: the experts', or for quantized experts the resident weights' (the
+        dtype with the most bytes), which is what `--dtype auto` computes in."""
+        if self.catalogue.quant is None:
+            return TORCH_DTYPES[self.catalogue.dtype]
+        sizes: dict[str, int] = {}
+        for info in self.resident_tensors.values():
+            if info.torch_dtype.is_floating_point:
+                sizes[info.dtype] = sizes.get(info.dtype, 0) + info.nbytes
+        return TORCH_DTYPES[max(sizes, key=sizes.__getitem__)] if sizes else torch.bfloat16
+
 
 def inspect_checkpoint(model_dir: str | Path | None) -> CheckpointInfo:
     """Read `model_dir` (None: the built-in demo model); anything malformed is one-line refused."""
@@ -52,7 +67,7 @@ def inspect_checkpoint(model_dir: str | Path | None) -> CheckpointInfo:
         reason = " ".join(str(e).split())[:200]
         raise VismmoeError(f"{model_dir / 'config.json'}: malformed ({reason}); re-download it") from e
     table = family.select_tensors(config, read_tensor_table(model_dir))
-    catalogue = family.catalogue_for(config, table)
+    catalogue = checkpoint_catalogue(family, config, table, model_dir)  # float experts, or our quantized records
     return CheckpointInfo(model_dir, family, config, table, catalogue, is_demo)
 
 

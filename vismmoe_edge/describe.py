@@ -28,6 +28,26 @@ def resident_parts(resident: dict[str, TensorInfo]) -> dict[str, int]:
     }
 
 
+def quant_name(spec: Any) -> str:
+    """ "int4-g128" or "int8" (per output channel), for sizes quoted at the experts' stored form."""
+    q = spec.quant
+    return f"int{q.bits}-g{q.group_size}" if q.bits == 4 else f"int{q.bits}"
+
+
+def quant_summary(spec: Any) -> dict[str, Any]:
+    """What `info` says of quantized experts (`spec` is the catalogue's quant.record.ExpertSpec)."""
+    q = spec.quant
+    return {
+        "bits": q.bits,
+        "group_size": q.group_size,
+        "layout": q.layout,
+        "bytes_per_expert": spec.nbytes,
+        "bf16_bytes_per_expert": spec.dense_nbytes_bf16,
+        "ratio_to_bf16": round(spec.nbytes / spec.dense_nbytes_bf16, 4),
+        "source": q.source.get("quant_method") or "dense",
+    }
+
+
 def describe_checkpoint(model: Path | CheckpointInfo, memory_budget: str = "100%") -> dict[str, Any]:
     """Sizes are as stored in the checkpoint (its dtype); the budget is read against the same bytes."""
     info = as_checkpoint_info(model)
@@ -47,7 +67,8 @@ def describe_checkpoint(model: Path | CheckpointInfo, memory_budget: str = "100%
         "model_dir": str(info.model_dir),
         "architecture": family.architecture,
         "expert_layout": catalogue.layout,
-        "dtype": catalogue.dtype,
+        "dtype": catalogue.dtype if catalogue.quant is None else quant_name(catalogue.quant),
+        "quantization": None if catalogue.quant is None else quant_summary(catalogue.quant),
         "layers": text.num_hidden_layers,
         "moe_layers": len(catalogue.moe_layers),
         "experts_per_layer": catalogue.num_experts,
@@ -72,6 +93,14 @@ def format_description(d: dict[str, Any]) -> str:
         f"layers         {d['layers']} ({d['moe_layers']} MoE)",
         f"experts        {d['experts_per_layer']} per layer, top-{d['top_k']}, {d['shared_experts']} shared",
         f"per expert     {format_bytes(d['bytes_per_expert'])} ({format_bytes(d['expert_bytes_per_layer'])} per layer)",
+    ]
+    if q := d.get("quantization"):
+        group = f"group {q['group_size']}" if q["bits"] == 4 else "per output channel"
+        lines.append(
+            f"quantized      int{q['bits']}, {group}, layout {q['layout']}: {q['bytes_per_expert']:,} B per expert "
+            f"= {q['ratio_to_bf16']:.3f}x bf16 (from {q['source']})"
+        )
+    lines += [
         f"resident       {format_bytes(d['resident_bytes'])} of non-expert weights (always in memory)",
     ]
     if d["shared_expert_bytes"] or d["dense_mlp_bytes"]:

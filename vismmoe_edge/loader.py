@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue
+from vismmoe_edge.checkpoint import ExpertCatalogue
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
@@ -97,7 +97,7 @@ def load(
     info = as_checkpoint_info(model_dir)
     model_dir, config, table, catalogue = info.model_dir, info.config, info.table, info.catalogue
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, TORCH_DTYPES[catalogue.dtype], torch_device)
+    torch_dtype = resolve_dtype(dtype, info.stored_dtype, torch_device)
     processor = info.family.load_processor(model_dir)
 
     if policy not in POLICIES:

@@ -12,17 +12,17 @@ def table(summary: dict) -> str:
     rows = summary["results"]
     out = [
         "| cap | strategy | decode tok/s (median; trials) | vs plain mmap | vs llama.cpp | oracle time / ours "
-        "| read MB / token | hit rate | prefill s | peak cgroup GiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| read MB / token | Belady MB / token | hit rate | prefill s | peak cgroup GiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cap in sorted({r["cap"] for r in rows if r.get("cap") is not None}):
         at = [r for r in rows if r.get("cap") == cap]
         mmap = next((r for r in at if r["strategy"] == "plain-mmap" and "error" not in r), None)
-        llama = next((r for r in at if r["strategy"] == "llama.cpp" and "error" not in r), None)
+        llama = next((r for r in at if r["strategy"].startswith("llama.cpp") and "error" not in r), None)
         bound = next((r for r in at if r["strategy"] == "oracle-bound"), None)
         for r in at:
             if "error" in r:
-                out.append(f"| {cap:.0%} | {r['strategy']} | failed: {r['error'][:80]} | | | | | | | |")
+                out.append(f"| {cap:.0%} | {r['strategy']} | failed: {r['error'][:80]} | | | | | | | | |")
                 continue
             tps = r["decode_tokens_per_s"]
             trials = ", ".join(f"{x:.2f}" for x in r.get("decode_tokens_per_s_all", [])) or "-"
@@ -30,12 +30,14 @@ def table(summary: dict) -> str:
             vs_llama = f"{tps / llama['decode_tokens_per_s']:.2f}x" if llama else ""
             vs_bound = f"{bound['decode_tokens_per_s'] / tps:.2f}" if bound else ""
             read = r.get("decode_read_bytes_per_token")
+            belady = r.get("belady_read_bytes_per_token")
             hit = None if r["strategy"] == "plain-mmap" else r.get("hit_rate")  # the kernel decides there
             prefill = r.get("prefill_s")
             peak = r.get("peak_cgroup_bytes")
             out.append(
                 f"| {cap:.0%} | {r['strategy']} | {tps:.2f} ({trials}) | {vs_mmap} | {vs_llama} | {vs_bound} | "
-                f"{'' if read is None else f'{read / 1e6:.0f}'} | {'' if hit is None else f'{hit:.3f}'} | "
+                f"{'' if read is None else f'{read / 1e6:.0f}'} | {'' if belady is None else f'{belady / 1e6:.0f}'} | "
+                f"{'' if hit is None else f'{hit:.3f}'} | "
                 f"{'' if prefill is None else f'{prefill:.2f}'} | {'' if peak is None else f'{peak / 2**30:.2f}'} |"
             )
     return "\n".join(out)

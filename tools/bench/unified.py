@@ -8,6 +8,13 @@ One run compares, at each cap (a share of the checkpoint's size), with the page 
 - the oracle bound: Belady's fewest bytes for the LRU trials' own routing at the same slot count, read at the
   best disk bandwidth seen in this run, overlapped perfectly with the all-resident compute time of this run.
 
+Quantized experts (issue 16): `--quant-model DIR` (the same weights through `vismmoe-edge quantize`) adds each
+strategy named `q:<strategy>` (e.g. `q:popularity`) on that directory, at the same caps (shares of the bf16
+file), and `--llama-gguf NAME=PATH` (repeatable: Q4_K_M, Q8_0, ...) adds llama.cpp's llama-bench on that GGUF;
+with `--interleave` each repeat runs every strategy of ours and then one llama-bench process per GGUF, so a noisy
+neighbour slows all of them alike. Each row reports its bytes read per token and Belady's fewest for its own
+routing at its own slot count (`belady_read_bytes_per_token`).
+
 Routing: `--routing replay` takes routed experts from a real trace (`--trace PATH`, e.g. the DeepSeek-V2-Lite
 prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
 `--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
@@ -73,12 +80,12 @@ def worker(args: argparse.Namespace) -> dict:
     from vismmoe_edge.sampling import SamplingConfig
 
     torch.set_num_threads(2)
-    tier, predictor, policy = STRATEGIES.get(args.strategy, ("host", "none", "lru"))
+    tier, predictor, policy = STRATEGIES.get(args.strategy.removeprefix("q:"), ("host", "none", "lru"))
     if predictor == "learned-file":
         predictor = str(args.predictor_file)
     info = describe_checkpoint(args.model)
     baseline_rss = rss_bytes()  # python + torch + transformers, before any weight
-    if args.strategy == "resident":
+    if args.strategy.removeprefix("q:") == "resident":
         budget = "100%"
     else:
         # what the cap leaves for expert pages: minus the process itself, the resident weights and a margin
@@ -100,7 +107,7 @@ def worker(args: argparse.Namespace) -> dict:
     sampling = SamplingConfig(
         max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, temperature=1.0, seed=args.start_token
     )
-    if args.strategy == "resident":  # warm every expert once, then time compute alone
+    if args.strategy.removeprefix("q:") == "resident":  # warm every expert once, then time compute alone
         for layer in engine.catalogue.moe_layers:
             for e in range(engine.catalogue.num_experts):
                 pipeline.begin_layer(layer, [e])
@@ -142,6 +149,8 @@ def worker(args: argparse.Namespace) -> dict:
         "refault_bytes": getattr(pipeline.tier, "refault_bytes", 0),
         "fetch_gb_s": stats["bytes_read"] / stats["fetch_seconds"] / 1e9 if stats["fetch_seconds"] else None,
         "oracle_read_bytes_per_token": oracle_misses * engine.catalogue.expert_bytes / len(steps),
+        "expert_bytes": engine.catalogue.expert_bytes,
+        "model": str(args.model),
     }
 
 
@@ -188,13 +197,18 @@ def oracle_row(lru: dict, bandwidth_gb_s: float, compute_s: float) -> dict:
 def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, shards: list[Path], start_token: int):
     from bench import memcgroup
 
+    model = args.model
+    if strategy.startswith("q:"):  # the quantized copy: its own shards are the ones to evict
+        model = args.quant_model
+        shards = sorted(model.glob("*.safetensors"))
+
     cmd = [
         sys.executable,
         __file__,
         "--worker",
         strategy,
         "--model",
-        str(args.model),
+        str(model),
         "--routing",
         args.routing,
         "--tokens",
@@ -225,22 +239,37 @@ def run_trial(args: argparse.Namespace, strategy: str, cap_bytes: int | None, sh
     return result
 
 
-def run_llamacpp(args: argparse.Namespace, cap_bytes: int) -> dict:
-    """llama.cpp's own llama-bench tg32 on the same expert bytes (converted to GGUF), same cap, evicted cache."""
+def parse_ggufs(values: list[str] | None) -> dict[str, Path]:
+    """`--llama-gguf NAME=PATH` (or a bare PATH, named llama.cpp) -> {strategy name: path}."""
+    out = {}
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        out["llama.cpp" if not sep else f"llama.cpp {name}"] = Path(path if sep else name)
+    return out
+
+
+def run_llamacpp(args: argparse.Namespace, cap_bytes: int, gguf: Path, name: str = "llama.cpp", runs: int = 0) -> dict:
+    """llama.cpp's own llama-bench tg on the same expert bytes (converted to GGUF), same cap, evicted cache; `runs`
+    separate processes (default --repeats)."""
     from bench import llamacpp as llamacpp_baseline
 
     result = llamacpp_baseline.llama_bench(
-        args.llama_gguf,
+        gguf,
         args.llama_build,
         test=f"tg{args.llama_tokens}",
         limit=cap_bytes,
-        runs=args.repeats,
+        runs=runs or args.repeats,
         log=lambda line: None,
+        timeout=args.llama_timeout,
+        extra_args=tuple(args.llama_args.split()),
     )
     if result.tok_s_median is None:
-        return {"strategy": "llama.cpp", "cap_bytes": cap_bytes, "error": str([r.error for r in result.runs])}
+        return {"strategy": name, "cap_bytes": cap_bytes, "error": str([r.error for r in result.runs])}
     return {
-        "strategy": "llama.cpp",
+        "strategy": name,
+        "gguf": str(gguf),
+        "gguf_bytes": result.gguf_bytes,
+        "peak_cgroup_bytes": max(r.max_usage_bytes for r in result.runs),
         "cap_bytes": cap_bytes,
         "decode_tokens_per_s": result.tok_s_median,
         "decode_s_per_token": 1 / result.tok_s_median,
@@ -259,6 +288,7 @@ def median_of(trials: list[dict]) -> dict:
     for key in (
         "prefill_s",
         "decode_s_per_token",
+        "decode_tokens_per_s",
         "decode_read_bytes_per_token",
         "hit_rate",
         "stall_s",
@@ -273,6 +303,10 @@ def median_of(trials: list[dict]) -> dict:
     out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
     out["trials"] = len(ok)
     out["decode_tokens_per_s_all"] = [round(1 / t["decode_s_per_token"], 3) for t in ok]
+    if "oracle_read_bytes_per_token" in out:
+        out["belady_read_bytes_per_token"] = out["oracle_read_bytes_per_token"]
+    if len(ok) < len(trials):
+        out["failed_trials"] = [t["error"] for t in trials if "error" in t]
     return out
 
 
@@ -287,7 +321,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--margin-mib", type=int, default=384)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--llama-gguf", type=Path, help="the same checkpoint as GGUF, to add llama.cpp as a baseline")
+    ap.add_argument("--llama-gguf", action="append", help="NAME=PATH of the same weights as GGUF (repeatable)")
+    ap.add_argument("--llama-timeout", type=float, default=900, help="seconds per llama-bench process")
+    ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '--repack 0'")
+    ap.add_argument("--quant-model", type=Path, help="our quantized copy of --model, for the q:<strategy> rows")
+    ap.add_argument("--resident", default="resident", help="comma-separated all-resident baselines to time")
     ap.add_argument("--llama-build", type=Path, help="llama.cpp build directory (bin/llama-bench)")
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--predictor-file", type=Path, help="an exported predictor for the popularity+learned strategy")
@@ -329,30 +367,38 @@ def main() -> None:
         starts = [int(s) for s in args.starts.split(",")]
     else:
         starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
-    resident = median_of([run_trial(args, "resident", None, shards, s) for s in starts])
-    print("resident", resident, flush=True)
-    results = [{**resident, "cap": None}]
-    bar = tqdm(total=len(caps) * len(strategies) * len(starts), desc="trials")
+    ggufs = parse_ggufs(args.llama_gguf)
+    results = []
+    resident = None
+    for name in [r for r in args.resident.split(",") if r]:
+        row = median_of([run_trial(args, name, None, shards, s) for s in starts])
+        print(name, row, flush=True)
+        results.append({**row, "cap": None})
+        resident = resident or row
+    bar = tqdm(total=len(caps) * (len(strategies) + len(ggufs)) * len(starts), desc="trials")
     for cap in caps:
         cap_bytes = int(cap * checkpoint_bytes)
         rows = []
         trials: dict[str, list[dict]] = {s: [] for s in strategies}
+        trials.update({name: [] for name in ggufs})
+        names = strategies + list(ggufs)
         if args.interleave:  # round-robin over strategies, so that a noisy neighbour slows them alike
-            order = [(strategy, start) for start in starts for strategy in strategies]
+            order = [(strategy, start) for start in starts for strategy in names]
         else:
-            order = [(strategy, start) for strategy in strategies for start in starts]
+            order = [(strategy, start) for strategy in names for start in starts]
         for strategy, start in order:
-            trials[strategy].append(run_trial(args, strategy, cap_bytes, shards, start))
+            if strategy in ggufs:  # one llama-bench process per repeat
+                trials[strategy].append(run_llamacpp(args, cap_bytes, ggufs[strategy], strategy, runs=1))
+            else:
+                trials[strategy].append(run_trial(args, strategy, cap_bytes, shards, start))
+            print(json.dumps({"cap": cap, "start": start, **trials[strategy][-1]})[:400], flush=True)
             bar.update()
-        for strategy in strategies:
+        for strategy in names:
             row = {**median_of(trials[strategy]), "cap": cap}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if args.llama_gguf:
-            rows.append({**run_llamacpp(args, cap_bytes), "cap": cap})
-            print(json.dumps(rows[-1]), flush=True)
         lru = next((r for r in rows if r["strategy"] == "lru" and "error" not in r), None)
-        if lru is not None:
+        if lru is not None and resident is not None:
             fastest = max([bandwidth] + [r["fetch_gb_s"] for r in rows if r.get("fetch_gb_s")])
             rows.append({**oracle_row(lru, fastest, resident["decode_s_per_token"]), "cap": cap})
         results += rows
@@ -361,6 +407,10 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}, {os.uname().release}",
         "model": str(args.model),
+        "quant_model": str(args.quant_model) if args.quant_model else None,
+        "llama_ggufs": {name: str(path) for name, path in ggufs.items()},
+        "command": " ".join(sys.argv),
+        "llama_args": args.llama_args,
         "checkpoint_bytes": checkpoint_bytes,
         "routing": args.routing,
         "trace": str(args.trace) if args.trace else None,

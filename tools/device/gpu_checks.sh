@@ -22,6 +22,8 @@ echo "== CUDA equivalence against transformers"
 timeout 260 python3 -m pytest -q -p no:cacheprovider -rA tests/test_engine_equivalence.py -k cuda 2>&1 | tail -40 | tee "$OUT/gpu_checks.log"
 echo "== quantized kernels"
 timeout 150 python3 tools/device/quant_checks.py --out "$OUT/quant.json" 2>&1 | tail -30
+echo "== the engine's quantized slot pool (graphs, fetch paths, transformers on the dequantized file)"
+timeout 200 python3 tools/device/quant_engine_checks.py --out "$OUT/quant_engine.json" 2>&1 | tail -40
 if [ "${1:-}" = "--build-bench" ]; then
     echo "== the benchmark checkpoint (48 layers of Qwen3-VL-30B-A3B geometry)"
     timeout $((560 - ($(date +%s) - T0))) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -5

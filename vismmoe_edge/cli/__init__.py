@@ -25,7 +25,7 @@ try:  # typer >= 0.20 carries its own click
 except ImportError:  # pragma: no cover - older typer on plain click
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef]
 
-from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve  # noqa: E402
+from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, quantize, run, serve  # noqa: E402
 from vismmoe_edge.cli import eval as eval_  # noqa: E402
 
 app = typer.Typer(
@@ -37,6 +37,7 @@ app = typer.Typer(
 
 app.command("run")(run.run)
 app.command("info")(info.info)
+app.command("quantize")(quantize.quantize_command)
 app.command("doctor")(doctor.doctor)
 app.command("plan")(plan.plan_command)
 app.command("serve")(serve.serve_command)

@@ -14,6 +14,8 @@ from torch import nn
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
 from vismmoe_edge.experts.pool_compute import decode_experts, grouped_mm_works, prefill_experts
 from vismmoe_edge.experts.store import ExpertWeights
+from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
+from vismmoe_edge.quant.pool import pool_forward
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
 
@@ -108,6 +110,8 @@ class OffloadedExperts(nn.Module):
         """x [T, H], slots [T, k] (on the pool's device), weights [T, k] -> [T, H]. Device ops only when T == 1,
         so a CUDA graph can replay it."""
         pool = self.runtime.pipeline.tier.pool
+        if getattr(pool, "form", None) is not None:  # quantized records (experts/quant_slots.py)
+            return pool_forward(x, slots, weights, pool.records, pool.form, self.act_fn)
         if x.shape[0] == 1:
             return decode_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn)
         grouped = grouped_mm_works(pool.gate_up.dtype, pool.gate_up.device)
@@ -169,6 +173,8 @@ class OffloadedExperts(nn.Module):
             pipeline.finish(self.layer, expert)
         return out
 
-    def _expert(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, weights: ExpertWeights | QuantizedExpert) -> torch.Tensor:
+        if isinstance(weights, QuantizedExpert):  # int4/int8 in place: the unified tier's mmap views
+            return expert_forward(x, weights, self.act_fn)
         gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
         return F.linear(self.act_fn(gate) * up, weights.down)

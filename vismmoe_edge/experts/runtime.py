@@ -93,6 +93,10 @@ def make_tier(
         from vismmoe_edge.experts.unified import MmapTier, UnifiedTier
 
         return UnifiedTier(store, slots) if name == "unified" else MmapTier(store, slots)
+    if store.catalogue.quant is not None:  # int4/int8 records, computed by torch's quantized kernels
+        from vismmoe_edge.experts.quant_slots import QuantSlotPoolTier
+
+        return QuantSlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
     return SlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, ExpertLocation, ExpertPart, TensorInfo
+from vismmoe_edge.quant.kernels import QuantizedExpert
+from vismmoe_edge.quant.slot_form import SlotForm
 
 
 @dataclass
@@ -65,7 +67,9 @@ class ExpertStore:
         self.bytes_read = 0
 
     def expert_nbytes(self) -> int:
-        """Bytes one expert takes in memory once converted to the compute dtype."""
+        """Bytes one expert takes in memory once converted to the compute dtype (quantized: its record)."""
+        if self.catalogue.quant is not None:
+            return self.catalogue.quant.nbytes
         loc = next(iter(self.catalogue.experts.values()))
         return sum(p.nbytes // TORCH_DTYPES[p.dtype].itemsize for p in loc.parts) * self.dtype.itemsize
 
@@ -74,8 +78,14 @@ class ExpertStore:
         self.bytes_read += part.nbytes
         return raw.t() if part.transposed else raw
 
-    def load(self, layer: int, expert: int) -> ExpertWeights:
+    def load(self, layer: int, expert: int) -> ExpertWeights | QuantizedExpert:
         loc: ExpertLocation = self.catalogue.expert(layer, expert)
+        if self.catalogue.quant is not None:  # an owned copy of the record, in the device's kernel layout
+            record = self._owned(self._part(loc.parts[0]))
+            form = SlotForm.for_device(self.catalogue.quant, self.device)
+            if form.rebuilds:
+                form.build(record)
+            return form.views(record)
         parts = {p.kind: self._part(p) for p in loc.parts}
         if "gate_up" in parts:
             gate_up = parts["gate_up"]
@@ -85,6 +95,7 @@ class ExpertStore:
 
     def _owned(self, src: torch.Tensor) -> torch.Tensor:
         # Always copy out of the mmap: a cached view would page-fault inside every GEMM and escape the budget.
-        out = torch.empty(src.shape, dtype=self.dtype, device=self.device)
+        dtype = self.dtype if src.dtype.is_floating_point else src.dtype  # a quantized record stays bytes
+        out = torch.empty(src.shape, dtype=dtype, device=self.device)
         out.copy_(src)
         return out

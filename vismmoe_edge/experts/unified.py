@@ -20,6 +20,8 @@ from vismmoe_edge.checkpoint import DTYPE_NAMES, TORCH_DTYPES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.quant.kernels import QuantizedExpert, expert_views
+from vismmoe_edge.quant.record import RECORD_PART
 
 ExpertKey = tuple[int, int]
 
@@ -28,7 +30,8 @@ class _MappedShards:
     """One MAP_SHARED read-only mapping per shard that holds experts, and zero-copy views of expert parts."""
 
     def __init__(self, store: ExpertStore, *, random_access: bool) -> None:
-        if store.catalogue.dtype != DTYPE_NAMES[store.dtype]:  # one dtype per checkpoint: the catalogue checks
+        quantized = store.catalogue.quant is not None  # int4/int8 kernels take any activation dtype
+        if not quantized and store.catalogue.dtype != DTYPE_NAMES[store.dtype]:  # one dtype per checkpoint
             raise VismmoeError(
                 f"the unified tier computes straight from the page cache, so the compute dtype must be the "
                 f"checkpoint's ({store.catalogue.dtype}); pass --dtype auto or use --tier host"
@@ -59,8 +62,10 @@ class _MappedShards:
         t = flat.view(part.shape)
         return t.t() if part.transposed else t
 
-    def weights(self, key: ExpertKey) -> ExpertWeights:
+    def weights(self, key: ExpertKey) -> ExpertWeights | QuantizedExpert:
         parts = {p.kind: p for p in self.store.catalogue.expert(*key).parts}
+        if RECORD_PART in parts:  # a quantized record: the kernels read its bytes where the page cache has them
+            return expert_views(self.view(parts[RECORD_PART]), self.store.catalogue.quant)
         if "gate_up" in parts:
             return ExpertWeights(gate_up=self.view(parts["gate_up"]), down=self.view(parts["down"]))
         # per-expert checkpoints keep gate and up apart. safetensors writes tensors sorted by name, so an expert's

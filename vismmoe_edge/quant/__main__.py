@@ -1,6 +1,6 @@
 """python -m vismmoe_edge.quant SRC OUT --bits 4|8 [--group-size 128] [--layout auto] [--max-shard-size 4GB]
 
-Until `vismmoe-edge quantize` is wired into the CLI, this is its command line: one-line errors, exit status 1.
+The same converter as `vismmoe-edge quantize` (cli/quantize.py), without the CLI package: one-line errors, exit 1.
 """
 
 from __future__ import annotations

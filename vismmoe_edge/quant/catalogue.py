@@ -1,7 +1,8 @@
 """Where each quantized expert is: one (shard, offset, nbytes) range per (layer, expert), checked against config.
 
-The engine extends its ExpertCatalogue with these ranges: one pread (or one mmap view) per miss, then
-kernels.expert_views(buf, catalogue.spec) over the bytes.
+The engine sees these ranges as an ExpertCatalogue whose experts have one part each, the whole record
+(`expert_catalogue`, `checkpoint_catalogue`): one pread (or one mmap view) per miss, then
+kernels.expert_views(buf, catalogue.quant) over the bytes. Budgets, telemetry and the oracle count those bytes.
 """
 
 from __future__ import annotations
@@ -12,11 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vismmoe_edge.checkpoint import FUSED_EXPERT_KEY, PER_EXPERT_KEY, TensorInfo, read_tensor_table
+from vismmoe_edge.checkpoint import (
+    FUSED_EXPERT_KEY,
+    PER_EXPERT_KEY,
+    ExpertCatalogue,
+    ExpertLocation,
+    ExpertPart,
+    TensorInfo,
+    read_tensor_table,
+)
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.registry import model_family
-from vismmoe_edge.quant.config import QuantConfig, read_quant_config
-from vismmoe_edge.quant.record import ExpertSpec
+from vismmoe_edge.quant.config import QUANT_METHOD, QuantConfig, parse_quant_config, read_quant_config
+from vismmoe_edge.quant.record import RECORD_PART, ExpertSpec
 
 RECORD_KEY = re.compile(
     r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\."
@@ -27,6 +37,7 @@ _FAMILY_MODULES = {
     "glm4v_moe": ("vismmoe_edge.models.glm4v_moe", "n_routed_experts"),
     "deepseek_vl_v2": ("vismmoe_edge.models.deepseek_vl2.model", "n_routed_experts"),
 }
+CONVERTIBLE = ("fp8", "compressed-tensors", "awq")  # what `vismmoe-edge quantize` reads (quant/source.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,16 @@ class QuantizedCatalogue:
     @property
     def total_bytes(self) -> int:
         return self.spec.nbytes * len(self.experts)
+
+    def expert_catalogue(self) -> ExpertCatalogue:
+        """The engine's catalogue: each expert one part, its whole record (U8 [nbytes]), and `quant` = the spec."""
+        experts = {
+            key: ExpertLocation(r.layer, r.expert, (ExpertPart(RECORD_PART, r.shard, r.offset, r.nbytes, "U8",
+                                                               (r.nbytes,), False),))  # fmt: skip
+            for key, r in self.experts.items()
+        }
+        return ExpertCatalogue("quantized", self.num_experts, self.moe_layers, experts, set(self.tensor_names),
+                               quant=self.spec)  # fmt: skip
 
 
 def quantized_expert_ranges(
@@ -133,3 +154,39 @@ def read_quantized_catalogue(directory: Path) -> QuantizedCatalogue:
     hidden, inter, num_experts, layers = expert_geometry(family.model_type, config)
     table = family.select_tensors(config, read_tensor_table(directory))
     return quantized_expert_ranges(table, quant, hidden=hidden, inter=inter, num_experts=num_experts, moe_layers=layers)
+
+
+def _check_groups(spec: ExpertSpec, where: str) -> None:
+    for matrix, (_, k) in spec.matrices.items():
+        if spec.quant.bits == 4 and k % spec.quant.group_size:  # type: ignore[operator]
+            raise VismmoeError(
+                f"{where}: group_size {spec.quant.group_size} does not divide {matrix}'s {k} inputs (hidden "
+                f"{spec.hidden}, moe_intermediate {spec.inter}); the checkpoint is inconsistent, re-run quantize"
+            )
+
+
+def checkpoint_catalogue(family: Any, config: Any, table: dict[str, TensorInfo], directory: Path) -> ExpertCatalogue:
+    """The expert catalogue of any checkpoint directory: the family's for float experts, one record per expert for
+    ours (config.json's quantization_config), and a one-line refusal for another tool's quantization."""
+    raw = read_config_json(Path(directory)).get("quantization_config")
+    if raw is None:
+        return family.catalogue_for(config, table)
+    where = str(Path(directory) / "config.json")
+    method = raw.get("quant_method") if isinstance(raw, dict) else None
+    if method != QUANT_METHOD:
+        if method in CONVERTIBLE:
+            raise VismmoeError(
+                f"{where}: a {method} checkpoint; convert it first: vismmoe-edge quantize {directory} OUT --bits 4"
+            )
+        raise VismmoeError(
+            f"{where}: quantization {method!r} is not supported; run a bf16, FP8, compressed-tensors W4A16 or AWQ "
+            "checkpoint through vismmoe-edge quantize"
+        )
+    quant = parse_quant_config(raw, where)
+    text = config.text_config
+    spec = ExpertSpec(quant, int(text.hidden_size), int(text.moe_intermediate_size))
+    _check_groups(spec, where)
+    return quantized_expert_ranges(
+        table, quant, hidden=spec.hidden, inter=spec.inter, num_experts=family.routed_experts(config),
+        moe_layers=family.moe_layers(config),
+    ).expert_catalogue()  # fmt: skip

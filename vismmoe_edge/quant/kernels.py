@@ -14,6 +14,7 @@ is also the reference (`dequantize_expert`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +50,11 @@ class QuantizedExpert:
     gate_up: QuantizedMatrix  # [2I, H]: gate rows, then up rows
     down: QuantizedMatrix  # [H, I]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the expert holds in memory (its record's: the CUDA tiles take as many bytes as the nibbles)."""
+        return sum(t.nbytes for m in (self.gate_up, self.down) for t in (m.qweight, m.scales))
+
 
 def expert_views(buf: torch.Tensor, spec: ExpertSpec) -> QuantizedExpert:
     """Zero-copy views of one expert's record; `buf` is a uint8 tensor of exactly spec.nbytes bytes."""
@@ -69,11 +75,11 @@ def expert_views(buf: torch.Tensor, spec: ExpertSpec) -> QuantizedExpert:
     return QuantizedExpert(gate_up=mats["gate_up_proj"], down=mats["down_proj"])
 
 
-def _cpu_kernel_ok(m: QuantizedMatrix) -> bool:
+def cpu_kernel_ok(m: QuantizedMatrix) -> bool:
     return m.group_size in KERNEL_GROUP_SIZES and m.k % m.group_size == 0 and m.n % 16 == 0
 
 
-def _cuda_inner_k_tiles(m: QuantizedMatrix) -> int | None:
+def cuda_inner_k_tiles(m: QuantizedMatrix) -> int | None:
     """tinygemm wants K a multiple of inner_k_tiles * 16 and N a multiple of 8; the largest tile count wins."""
     if m.group_size not in KERNEL_GROUP_SIZES or m.n % 8:
         return None
@@ -95,14 +101,14 @@ def prepare_matrix(m: QuantizedMatrix, device: torch.device) -> QuantizedMatrix:
     if m.bits != 4 or m.layout == CUDA_TINYGEMM:
         return m
     if device.type == "cuda":
-        tiles = _cuda_inner_k_tiles(m)
+        tiles = cuda_inner_k_tiles(m)
         if tiles is None:
             return m  # dequantize fallback in linear()
         codes = unpack_int4(m.qweight, m.layout)
         packed = torch.ops.aten._convert_weight_to_int4pack(cuda_kernel_input(codes).contiguous(), tiles)
         return replace(m, layout=CUDA_TINYGEMM, qweight=packed, scales=m.scales.to(torch.bfloat16).contiguous())
     native = native_cpu_layout()
-    if native is not None and m.layout != native and _cpu_kernel_ok(m):
+    if native is not None and m.layout != native and cpu_kernel_ok(m):
         return _to_native_tiles(m, native)
     return m
 
@@ -130,6 +136,21 @@ def dequantize_expert(expert: QuantizedExpert, dtype: torch.dtype = torch.float3
 
 _warned: set[str] = set()
 _int8_cuda_kernel = [True]  # cleared the first time the CUDA int8 kernel is missing
+# int8 on CUDA: "dequantize" (to the activations' dtype, then cuBLAS) or "kernel" (`_weight_int8pack_mm`).
+# Dequantize is the default until tools/device/quant_checks.py has timed both on the GPU; VISMMOE_INT8_CUDA or
+# set_int8_cuda_path() switches.
+INT8_CUDA_PATHS = ("dequantize", "kernel")
+_int8_cuda_path = [os.environ.get("VISMMOE_INT8_CUDA", "dequantize")]
+
+
+def set_int8_cuda_path(path: str) -> None:
+    if path not in INT8_CUDA_PATHS:
+        raise VismmoeError(f"int8 CUDA path {path!r}: use one of {', '.join(INT8_CUDA_PATHS)}")
+    _int8_cuda_path[0] = path
+
+
+def int8_cuda_path() -> str:
+    return _int8_cuda_path[0] if _int8_cuda_path[0] in INT8_CUDA_PATHS else "dequantize"
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -150,7 +171,7 @@ def linear(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
         if m.bits == 8:
             return torch.ops.aten._weight_int8pack_mm(xc, m.qweight, m.scales.to(x.dtype))
         native = native_cpu_layout()
-        if _cpu_kernel_ok(m) and native is not None:
+        if cpu_kernel_ok(m) and native is not None:
             w = m.qweight
             if m.layout != native:  # correct, and faster than dequantizing, but 19x the kernel: warn
                 _warn_once(
@@ -160,7 +181,7 @@ def linear(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
                 )
                 w = _to_native_tiles(m, native).qweight
             return torch.ops.aten._weight_int4pack_mm_for_cpu(xc, w, m.group_size, m.scales.to(x.dtype))
-    if m.bits == 8 and x.device.type == "cuda" and _int8_cuda_kernel[0]:
+    if m.bits == 8 and x.device.type == "cuda" and int8_cuda_path() == "kernel" and _int8_cuda_kernel[0]:
         try:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), m.qweight, m.scales.to(x.dtype))
         except (RuntimeError, NotImplementedError) as e:  # not in every build / dtype: dequantize from now on

@@ -24,6 +24,8 @@ from vismmoe_edge.quant.config import QuantConfig
 from vismmoe_edge.quant.packing import pack_int4
 from vismmoe_edge.quant.quantize import SCALE_DTYPE, Int4Groups, quantize_int4, quantize_int8
 
+RECORD_PART = "record"  # the kind of an expert's one ExpertPart in the engine's catalogue (its whole record)
+
 
 @dataclass(frozen=True)
 class RecordField:
