@@ -117,7 +117,7 @@ def load(
         speculative_experts=prefetch_depth * info.top_k,
     )
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
-    if runtime.pipeline.tier.name in ("unified", "mmap"):
+    if runtime.pipeline.tier.name in ("unified", "mmap", "unified-slots", "unified-registered"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
     on_gpu = torch_device.type == "cuda"
     attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
