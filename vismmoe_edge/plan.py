@@ -236,12 +236,12 @@ def make_plan(
             why.append(f"prefetch depth {depth} (profile {profile.name}); {held}")
     why.append(tier_why)
     memory_parts = {
-        **{name: value for name, value in parts.as_dict().items() if name.endswith("_bytes")},
+        **{name: value for name, value in parts.as_dict().items() if name.endswith("_bytes") and name != "total_bytes"},
         "pinned_prefix_bytes": pinned * s_layer,
         "cache_bytes": cache,
         "reserve_bytes": c_safe_b,
     }
-    memory_parts["total_bytes"] += pinned * s_layer + cache + c_safe_b
+    memory_parts["total_bytes"] = sum(memory_parts.values())  # <= M_avail: the budget is what M_e leaves
     return Plan(
         model_dir=str(model_dir),
         profile=profile.name,

@@ -18,6 +18,24 @@ app = typer.Typer(
     add_completion=False,
 )
 
+# Commands that import torch and load a model: under a memory cgroup too small for that, they must refuse with one
+# line before the imports, or the kernel OOM-kills them silently.
+LOADING_COMMANDS = {"run", "serve", "eval", "bench", "profile", "calibrate", "analyze"}
+
+
+@app.callback()
+def _check_memory(ctx: typer.Context) -> None:
+    remaining = [*getattr(ctx, "protected_args", []), *ctx.args]
+    if ctx.invoked_subcommand not in LOADING_COMMANDS or "--help" in remaining or ctx.resilient_parsing:
+        return
+    from vismmoe_edge.cli.common import fail
+    from vismmoe_edge.hardware.cgroup import startup_refusal
+
+    refusal = startup_refusal()
+    if refusal is not None:
+        raise fail(refusal)
+
+
 app.command("run")(run.run)
 app.command("info")(info.info)
 app.command("doctor")(doctor.doctor)
