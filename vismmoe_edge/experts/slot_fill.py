@@ -17,12 +17,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
@@ -64,12 +66,18 @@ class FillStats:
         self.dropped_bytes += other.dropped_bytes
 
 
+@functools.cache
+def _statx() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).statx
+    except (OSError, AttributeError):  # not glibc 2.28+ / not Linux
+        return None
+
+
 def _statx_dio(path: Path) -> tuple[int, int] | None:
     """(memory, offset) alignment from statx, (0, 0) if the file cannot do O_DIRECT, None if statx cannot say."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        statx = libc.statx
-    except (OSError, AttributeError):
+    statx = _statx()
+    if statx is None:
         return None
     buf = ctypes.create_string_buffer(256)
     if statx(_AT_FDCWD, os.fsencode(path), 0, STATX_DIOALIGN, buf) != 0:
