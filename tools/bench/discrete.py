@@ -5,11 +5,16 @@ Compares, in one run, decode tokens/s and prefill latency (a prompt with ~1,100 
 - Hugging Face Accelerate offload at the same GPU budget (the seed paper's baseline),
 - vismmoe-edge with every expert resident (the ceiling),
 - vismmoe-edge at the budget: LRU on demand, + previous-token prefetch, + next-layer-gate prefetch,
+- the integrated-GPU tiers at the same budget, held in pinned host memory instead of GPU memory (`unified-slots`:
+  slots the GPU reads in place over the bus; `unified-registered`: the shards' own pages registered read-only).
+  On a discrete GPU every expert byte a kernel reads crosses PCIe, so these are slow here by construction; the
+  rows exist to measure the Jetson path's bytes and overheads on the GPU we have,
 - the oracle bound: Belady's fewest bytes for the recorded routing at the same slot count, moved at the
   measured pinned bandwidth, overlapped perfectly with the all-resident compute time.
 
 Decode is sampled (temperature 1): random weights under greedy decoding repeat one token and flatter caches.
 Run on the GPU server:  python3 tools/bench/discrete.py --out-dir /tmp/bench --json $OUT/discrete.json
+A subset:               ... --strategies lru,unified-slots,unified-registered,accelerate --repeats 1
 """
 
 from __future__ import annotations
@@ -162,14 +167,26 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
     }
 
 
+STRATEGIES = ("all-resident", "lru", "previous-token", "next-layer-gate", "unified-slots", "unified-registered",
+              "hf-resident", "accelerate")  # fmt: skip
+DEFAULT_STRATEGIES = "all-resident,lru,previous-token,next-layer-gate,hf-resident,accelerate"
+
+
 def run_ours(
-    model_dir: Path, image: Path, budget: str, predictor: str, new_tokens: int, replay: Path | None, seed: int
+    model_dir: Path,
+    image: Path,
+    budget: str,
+    predictor: str,
+    new_tokens: int,
+    replay: Path | None,
+    seed: int,
+    tier: str = "gpu",
 ) -> dict:
     import vismmoe_edge
     from vismmoe_edge.sampling import SamplingConfig
 
     start = time.perf_counter()
-    engine = vismmoe_edge.load(model_dir, memory_budget=budget, device="cuda", tier="gpu", predictor=predictor)
+    engine = vismmoe_edge.load(model_dir, memory_budget=budget, device="cuda", tier=tier, predictor=predictor)
     load_s = time.perf_counter() - start
     if replay is not None:
         engine.replay_routing(replay, start_token=2000 * seed)  # each repeat replays another stretch
@@ -191,8 +208,12 @@ def run_ours(
     prefill_s = times[0] - start
     steps = [b - a for a, b in zip(times, times[1:], strict=False)]
     s = pipeline.stats.as_dict()
+    tier_impl = pipeline.tier
+    fills = getattr(tier_impl, "fill_stats", None)
     result = {
-        "strategy": "all-resident" if budget == "100%" else ("lru" if predictor == "none" else predictor),
+        "strategy": tier if tier.startswith("unified") else (
+            "all-resident" if budget == "100%" else ("lru" if predictor == "none" else predictor)),
+        "tier": tier_impl.name,
         "routing": "trace-replay" if replay is not None else "sampled",
         "budget": budget,
         "slots": pipeline.capacity,
@@ -209,8 +230,16 @@ def run_ours(
         "resident_bytes": torch.cuda.max_memory_allocated(),
     }
     log = pipeline.layer_log
-    decode_bytes = sum(x.bytes_read for x in log[len(log) - new_tokens * len(engine.catalogue.moe_layers) :])
-    result["gb_copied_per_decode_token"] = decode_bytes / new_tokens / 1e9
+    moe_layers = len(engine.catalogue.moe_layers)
+    decode_bytes = sum(x.bytes_read for x in log[len(log) - new_tokens * moe_layers :])
+    result["gb_read_per_decode_token"] = decode_bytes / new_tokens / 1e9  # what misses moved from disk/page cache
+    # the discrete tier DMAs every byte it reads to the GPU; the unified tiers never copy to the GPU
+    result["gb_copied_per_decode_token"] = 0.0 if tier.startswith("unified") else decode_bytes / new_tokens / 1e9
+    if fills is not None:  # unified-slots: page cache -> slot copies by the CPU (0 for O_DIRECT reads), whole run
+        result["fill_gb"] = {"direct": fills.direct_bytes / 1e9, "buffered_cpu_copy": fills.buffered_bytes / 1e9}
+    if getattr(tier_impl, "pool", None) is not None:  # decode gathers each token's k experts per layer (a copy)
+        k = engine.context.top_k
+        result["gb_gathered_per_decode_token"] = k * moe_layers * tier_impl.slot_bytes / 1e9
     pipeline.close()
     del engine
     torch.cuda.empty_cache()
@@ -257,12 +286,16 @@ def oracle(
 
 
 def median_row(trials: list[dict]) -> dict:
+    trials = [t for t in trials if "error" not in t] or trials[:1]
     out = dict(trials[0])
+    if "error" in out:
+        return out
     for key in (
         "prefill_s",
         "decode_s_per_token",
         "hit_rate",
         "gb_copied_per_decode_token",
+        "gb_read_per_decode_token",
         "stall_s",
         "wasted_speculative_gb",
     ):
@@ -307,8 +340,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                    help=f"comma-separated, from {','.join(STRATEGIES)}")  # fmt: skip
     ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    wanted = [w.strip() for w in args.strategies.split(",") if w.strip()]
+    unknown = sorted(set(wanted) - set(STRATEGIES))
+    if unknown:
+        ap.error(f"--strategies: unknown {', '.join(unknown)}; use {', '.join(STRATEGIES)}")
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
     image = args.out_dir / "image-1056.png"
 
@@ -336,39 +375,41 @@ def main() -> None:
         flush=True,
     )
     routings = [None] + ([args.replay_trace] if args.replay_trace else [])
-    configs = [
-        ("100%", "none"),
-        (str(expert_budget), "none"),
-        (str(expert_budget), "previous-token"),
-        (str(expert_budget), "next-layer-gate"),
-    ]
+    configs = {  # strategy: (budget, predictor, tier)
+        "all-resident": ("100%", "none", "gpu"),
+        "lru": (str(expert_budget), "none", "gpu"),
+        "previous-token": (str(expert_budget), "previous-token", "gpu"),
+        "next-layer-gate": (str(expert_budget), "next-layer-gate", "gpu"),
+        "unified-slots": (str(expert_budget), "none", "unified-slots"),
+        "unified-registered": (str(expert_budget), "none", "unified-registered"),
+    }
     for replay in routings:
         mode = "trace-replay" if replay is not None else "sampled"
         # next-layer-gate guesses from the model's own router, which replayed routing ignores: skip it there
-        cfgs = configs if replay is None else [c for c in configs if c[1] != "next-layer-gate"]
-        trials: dict[tuple[str, str], list[dict]] = {c: [] for c in cfgs}
+        cfgs = [c for c in wanted if c in configs and not (replay is not None and c == "next-layer-gate")]
+        trials: dict[str, list[dict]] = {c: [] for c in cfgs}
         for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
-            for budget, predictor in cfgs:
-                r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay, seed)
-                trials[(budget, predictor)].append(r)
+            for name in cfgs:
+                budget, predictor, tier = configs[name]
+                try:
+                    r = run_ours(model_dir, image, budget, predictor, args.new_tokens, replay, seed, tier)
+                except Exception as e:  # noqa: BLE001 - one failing strategy must not lose the others' rows
+                    r = {"strategy": name, "error": f"{type(e).__name__}: {e}"}
+                    torch.cuda.empty_cache()
+                trials[name].append(r)
                 print({k: v for k, v in r.items() if k != "routes"}, flush=True)
         rows = [median_row(trials[c]) for c in cfgs]
         results += rows
-        ceiling = next(r for r in rows if r["strategy"] == "all-resident")
-        lru = next(r for r in rows if r["strategy"] == "lru")
-        bound = oracle(
-            lru["routes"],
-            lru["slots"],
-            lru["expert_bytes"],
-            bandwidth,
-            ceiling["decode_s_per_token"],
-            args.new_tokens,
-            args.layers,
-        )
-        results.append({**bound, "routing": mode})
-    results.append(subprocess_worker(args, "hf-resident"))
-    print(results[-1], flush=True)
-    if not args.skip_accelerate:
+        ceiling = next((r for r in rows if r["strategy"] == "all-resident" and "error" not in r), None)
+        lru = next((r for r in rows if r["strategy"] == "lru" and "error" not in r), None)
+        if ceiling is not None and lru is not None:
+            bound = oracle(lru["routes"], lru["slots"], lru["expert_bytes"], bandwidth,
+                           ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
+            results.append({**bound, "routing": mode})
+    if "hf-resident" in wanted:
+        results.append(subprocess_worker(args, "hf-resident"))
+        print(results[-1], flush=True)
+    if "accelerate" in wanted and not args.skip_accelerate:
         results.append(subprocess_worker(args, "accelerate"))
         print(results[-1], flush=True)
     for r in results:
