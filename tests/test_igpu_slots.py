@@ -181,3 +181,19 @@ def test_the_compute_dtype_must_be_the_checkpoints(checkpoints):
     store = ExpertStore(info.catalogue, ShardFiles(), torch.bfloat16, torch.device("cpu"))
     with pytest.raises(VismmoeError, match="compute dtype must be the checkpoint's"):
         UnifiedSlotTier(store, 4)
+
+
+def test_after_loading_the_page_cache_holds_no_weight(checkpoints):
+    """Non-expert weights live once, in the model's tensors; experts in the slots (shared DRAM on a Jetson)."""
+    model_dir = checkpoints["v5"]
+    info = inspect_checkpoint(model_dir)  # before: reading the headers reads ahead into the tensors
+    for shard in shards_of(model_dir):
+        pagecache.evict_file(shard)
+    engine = vismmoe_edge.load(model_dir, memory_budget="50%", pinned_layers=2, device="cpu", tier="unified-slots")
+    resident = 0
+    for tensor in info.table.values():
+        with pagecache.MappedFile(tensor.shard) as mf:
+            resident += pagecache.resident_pages(mf, [(tensor.offset, tensor.nbytes)])[0]
+    assert resident == 0
+    assert engine.experts.pipeline.stats.pinned_bytes == 2 * info.catalogue.layer_bytes(info.catalogue.moe_layers[0])
+    engine.experts.pipeline.close()

@@ -22,6 +22,7 @@ slot pool, so compute takes the per-expert path (compute.py) and the engine deco
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.host_memory import DeviceArray
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
+from vismmoe_edge.experts.slot_fill import drop_whole_files
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 from vismmoe_edge.experts.unified import _MappedShards
 from vismmoe_edge.hardware import cudart
@@ -109,6 +111,7 @@ class UnifiedRegisteredTier:
         self, store: ExpertStore, slots: int, *, runtime: cudart.CudaRuntime, pinned: int = 0, threads: int = 8
     ) -> None:
         self.shards = _MappedShards(store, random_access=True)  # MAP_SHARED, PROT_READ; refuses a dtype change
+        drop_whole_files(self.shards.files)  # the header reads' readahead: large folios and readahead marks
         self.store = store
         self.device = store.device
         self.on_gpu = store.device.type == "cuda"
@@ -199,6 +202,10 @@ class UnifiedRegisteredTier:
         for shard, offset, length in self.registry.release(self._segments[held]):
             mf = self.shards.files[shard]
             pagecache.release(mf, [(offset, min(length, mf.size - offset))], "dontneed")
+
+    def drop_page_cache(self, shards: Iterable[Path]) -> None:
+        """After loading: what loading left in the page cache goes; registered pages (the prefix) stay."""
+        drop_whole_files(shards)
 
     def close(self) -> None:
         for slot in list(self._held):

@@ -21,13 +21,15 @@ the GPU may still read). Without CUDA (device cpu) the same code fills plain ano
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.host_memory import HostMemory
-from vismmoe_edge.experts.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader
+from vismmoe_edge.experts.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 from vismmoe_edge.hardware import cudart
 
@@ -156,6 +158,10 @@ class UnifiedSlotTier:
 
     def release(self, key: ExpertKey, slot: int) -> None:
         """Nothing to free: the next fetch overwrites the slot once `freed` says the GPU is done with it."""
+
+    def drop_page_cache(self, shards: Iterable[Path]) -> None:
+        """After loading: nothing of the shards is read through the page cache any more, so all of it goes."""
+        drop_whole_files(shards)
 
     def close(self) -> None:
         self.filler.close()

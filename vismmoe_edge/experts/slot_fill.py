@@ -21,7 +21,7 @@ import functools
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,17 @@ def split(read: Read, alignment: DirectAlignment | None) -> tuple[list[Piece], l
     return [(a0, a1 - a0, dest + a0 - off)], buffered
 
 
+def drop_whole_files(paths: Iterable[Path]) -> None:
+    """Drop every cached, unmapped, unpinned page of these files: whole files, because the large folios that
+    sequential readers (the header read, mmap faults) leave behind straddle any range and survive range drops."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def default_reader(fd: int, ranges: Sequence[tuple[int, int]], dests: Sequence[int]) -> None:
     pagecache.read_fd_into(fd, ranges, dests)
 
@@ -133,6 +144,9 @@ class _Shard:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # a pread must not read around (pagecache.py)
+        # What others cached of the file (the header read, at least) goes: its large folios straddle our ranges,
+        # so range drops cannot free them, and its readahead marks would make our first pread read far ahead.
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.size = os.fstat(self.fd).st_size
         self.alignment = direct_alignment(path) if direct else None
         self.direct_fd: int | None = None
