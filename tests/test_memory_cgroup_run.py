@@ -48,9 +48,11 @@ def capped(name: str, limit: int, *cmds: list[str], evict: list[Path] = ()) -> l
 
 
 def test_a_cap_too_small_to_start_is_one_line_not_a_kill(model):
-    (res,) = capped("t-start", 250 * MIB, cli("run", "--model", str(model), "--prompt", "hi", *PROFILE))
+    res, help_ = capped("t-start", 250 * MIB, cli("run", "--model", str(model), "--prompt", "hi", *PROFILE),
+                        cli("run", "--help"))  # fmt: skip
     assert not res.oom_killed and res.returncode == 2, res.summary()
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: the memory cgroup leaves")
+    assert help_.returncode == 0 and "Usage" in help_.stdout  # --help needs no model: it still answers
 
 
 def test_a_fixed_budget_the_cap_cannot_hold_is_one_line(model):

@@ -6,6 +6,8 @@ neither torch nor transformers at module level, so `--help` stays fast (tests/te
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from vismmoe_edge.cli import analyze, bench, calibrate, doctor, info, plan, predictor, profile, run, serve
@@ -25,8 +27,8 @@ LOADING_COMMANDS = {"run", "serve", "eval", "bench", "profile", "calibrate", "an
 
 @app.callback()
 def _check_memory(ctx: typer.Context) -> None:
-    remaining = [*getattr(ctx, "protected_args", []), *ctx.args]
-    if ctx.invoked_subcommand not in LOADING_COMMANDS or "--help" in remaining or ctx.resilient_parsing:
+    # the subcommand's own arguments are not parsed yet: --help is looked for where the shell put it
+    if ctx.invoked_subcommand not in LOADING_COMMANDS or "--help" in sys.argv[1:] or ctx.resilient_parsing:
         return
     from vismmoe_edge.cli.common import fail
     from vismmoe_edge.hardware.cgroup import startup_refusal

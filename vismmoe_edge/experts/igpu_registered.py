@@ -218,7 +218,7 @@ def mapping_anonymous_bytes(path: Path, smaps: str | None = None) -> int | None:
     """`Anonymous:` bytes of this process's mappings of `path` (/proc/self/smaps): the private copies a pin of a
     MAP_PRIVATE mapping makes (§10.4); 0 for what this tier registers. None when `path` is not mapped."""
     text = Path("/proc/self/smaps").read_text() if smaps is None else smaps
-    target, total, inside = str(path), None, False
+    target, total, inside = str(Path(path).resolve()), None, False
     for line in text.splitlines():
         head = line.split(maxsplit=5)
         if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a VMA header line
