@@ -18,6 +18,7 @@ EXPECTED_NAMES = [
     "transformers",
     "safetensors",
     "cuda",
+    "gpu access",
     "jetson",
     "jtop",
     "onnxruntime",

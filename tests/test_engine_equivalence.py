@@ -93,7 +93,7 @@ def test_engine_matches_transformers(checkpoints, references, layout: str, budge
 
 
 @pytest.mark.parametrize("predictor", ["next-layer-gate", "previous-token"])
-@pytest.mark.parametrize("tier", ["host", "unified", "mmap"])
+@pytest.mark.parametrize("tier", ["host", "unified", "mmap", "unified-slots"])
 def test_every_tier_and_predictor_matches_transformers(checkpoints, references, tier: str, predictor: str) -> None:
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", pinned_layers=1, tier=tier, predictor=predictor)
     for name, ref in references.items():

@@ -13,6 +13,7 @@ from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.describe import describe_checkpoint
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+from vismmoe_edge.memory_plan import runtime_parts
 from vismmoe_edge.options import LoadOptions, load_engine, resolve
 
 GIB = 1 << 30
@@ -27,8 +28,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def available_for(model: Path, expert_bytes: int) -> int:
-    """MemAvailable that leaves `expert_bytes` for experts under the Nano profile (1 GiB C_safe)."""
-    return expert_bytes + describe_checkpoint(model)["resident_bytes"] + GIB
+    """MemAvailable that leaves `expert_bytes` for experts under the Nano profile (1 GiB C_safe), planned for the
+    board's iGPU (named Jetson profile): weights, KV cache, activations and reads in flight come first."""
+    return expert_bytes + runtime_parts(inspect_checkpoint(model), device="cuda").total_bytes + GIB
 
 
 def test_nothing_left_to_the_plan_is_taken_as_given(tiny: Path) -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import typer
 
+from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.cli.plan import plan_command
 from vismmoe_edge.describe import describe_checkpoint
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware.profiles import get_profile
+from vismmoe_edge.memory_plan import runtime_parts
 from vismmoe_edge.plan import format_plan, make_plan
 
 BOARDS = Path(__file__).parent / "fixtures" / "boards"
@@ -23,12 +25,15 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("plan") / "tiny", num_layers=8)
-    return path, describe_checkpoint(path)
+    d = describe_checkpoint(path)
+    d["runtime_bytes"] = runtime_parts(inspect_checkpoint(path), device="cpu").total_bytes
+    return path, d
 
 
 def avail(d: dict, m_e: int, c_safe: int = 0) -> int:
-    """The M_avail that leaves exactly ``m_e`` bytes for experts."""
-    return m_e + d["resident_bytes"] + c_safe
+    """The M_avail that leaves exactly ``m_e`` bytes for experts: weights, KV cache, activations and reads in
+    flight (memory_plan.py) come first."""
+    return m_e + d["runtime_bytes"] + c_safe
 
 
 def test_tiny_checkpoint_shape(ckpt):

@@ -123,8 +123,12 @@ def load(
         host_tier=host_tier,
     )
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
-    if runtime.pipeline.tier.name in ("unified", "mmap"):
+    tier = runtime.pipeline.tier
+    if tier.name in ("unified", "mmap"):
         drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
+    elif tier.name in ("unified-slots", "unified-registered"):  # the integrated-GPU tiers need no page cache
+        files.close()  # mapped pages cannot be dropped
+        tier.drop_page_cache({t.shard for t in table.values()})  # type: ignore[attr-defined]
     on_gpu = torch_device.type == "cuda"
     attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
     return Engine(

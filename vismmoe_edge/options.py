@@ -19,6 +19,8 @@ from vismmoe_edge.units import format_bytes
 if TYPE_CHECKING:
     from vismmoe_edge.compress.prune import CompressionConfig
     from vismmoe_edge.engine import Engine
+    from vismmoe_edge.hardware.gpu_access import GpuAccess
+    from vismmoe_edge.hardware.profiles import Profile
     from vismmoe_edge.plan import Plan
 
 
@@ -55,6 +57,7 @@ class ResolvedOptions:
     host_tier: bool = False
     note: str = ""  # one line saying where the planned values came from ("" when nothing was planned)
     plan: Plan | None = None
+    device: str = "auto"  # the plan's device where the user left it to the plan and this machine has it
 
 
 def resolve(
@@ -76,22 +79,31 @@ def resolve(
     if not o.leaves_anything_to_plan:
         assert o.pinned_layers is not None
         depth = DEFAULT_PREFETCH_DEPTH if depth is None else depth
+        check_fixed_budget(o.memory_budget, o.tier, checkpoint)
         host, _ = resolve_host_tier(o, checkpoint, o.tier, o.pinned_layers, mem_available)
-        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth, host)
+        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth, host, device=o.device)
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.plan import make_plan
 
     chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
-    plan = make_plan(checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free)
-    plan.warnings[:0] = warnings
+    gpu, here, gpu_note = plan_gpu(o.device, chosen, named=o.profile != "auto")
+    plan = make_plan(
+        checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free, gpu=gpu
+    )
+    plan.warnings[:0] = warnings + ([gpu_note] if gpu_note else [])
     pinned = o.pinned_layers
     if pinned is None and o.memory_budget != "auto":
         budget = parse_budget(o.memory_budget, plan.s_layer_bytes * plan.moe_layers)
         fits = max(0, (budget - plan.bytes_per_expert) // plan.s_layer_bytes)
         pinned = min(plan.pinned_layers, fits)
+    if o.memory_budget != "auto":
+        check_fixed_budget(o.memory_budget, o.tier if o.tier != "auto" else plan.tier, checkpoint)
     memory_budget = str(plan.memory_budget_bytes) if o.memory_budget == "auto" else o.memory_budget
     pinned = plan.pinned_layers if pinned is None else pinned
+    device = plan.device if o.device == "auto" and here else o.device
     tier = plan.tier if o.tier == "auto" else o.tier
+    if tier.startswith("unified-") and o.tier == "auto" and not here:
+        tier = "unified"  # planned for a board's iGPU, loaded where torch has no CUDA: the CPU page-cache tier
     depth = plan.prefetch_depth if depth is None else depth
     host, why = resolve_host_tier(o, checkpoint, tier, pinned, mem_available)
     if why:
@@ -99,9 +111,10 @@ def resolve(
     shown_budget = format_bytes(int(memory_budget)) if memory_budget.isdigit() else memory_budget
     note = (
         f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {shown_budget}, tier {tier}, "
-        f"prefetch depth {depth}{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
+        f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
+        f"{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
     )
-    return ResolvedOptions(memory_budget, pinned, tier, depth, host, note, plan)
+    return ResolvedOptions(memory_budget, pinned, tier, depth, host, note, plan, device)
 
 
 def resolve_host_tier(
@@ -125,6 +138,46 @@ def resolve_host_tier(
     return host_tier_decision(streamed, available)
 
 
+def plan_gpu(device: str, profile: Profile, *, named: bool) -> tuple[GpuAccess | None, bool, str | None]:
+    """(the CUDA device to plan for, whether this machine has it, a note). None under --device cpu or without CUDA;
+    for a Jetson profile named on a machine without CUDA, the board's documented iGPU, so that
+    `plan --profile <jetson>` says what that board runs (loading here then computes on the CPU)."""
+    from vismmoe_edge.hardware.gpu_access import ORIN_DOCUMENTED, probe_quietly
+
+    if device == "cpu":
+        return None, False, None
+    index = int(device.split(":", 1)[1]) if device.startswith("cuda:") and device[5:].isdigit() else 0
+    gpu = probe_quietly(index)
+    if gpu is None and named and profile.kind == "jetson":
+        note = "no CUDA device here: planned for the board's iGPU as documented; loading here computes on the CPU"
+        return ORIN_DOCUMENTED, False, note
+    return gpu, gpu is not None, None
+
+
+def check_fixed_budget(memory_budget: str, tier: str, checkpoint: CheckpointInfo, root: Path = Path("/")) -> None:
+    """Refuse, with one line, a --memory-budget that the memory cgroup cannot hold next to the model's other parts:
+    past the cgroup's limit the kernel OOM-kills without a word. Tiers that keep experts in GPU memory or leave
+    them to the kernel (gpu, mmap) are not checked."""
+    if tier in ("gpu", "mmap", "auto"):
+        return
+    from vismmoe_edge.hardware.cgroup import read_cgroup_memory
+    from vismmoe_edge.memory_plan import runtime_parts
+
+    group = read_cgroup_memory(root)
+    headroom = None if group is None else group.headroom_bytes
+    if group is None or headroom is None:
+        return
+    total = checkpoint.catalogue.total_bytes
+    budget = parse_budget(memory_budget, total)
+    others = runtime_parts(checkpoint, device="cuda" if tier.startswith("unified-") else "cpu").total_bytes
+    if budget + others > headroom:
+        raise VismmoeError(
+            f"--memory-budget {memory_budget} ({format_bytes(budget)}) and the model's other parts "
+            f"({format_bytes(others)}: weights, KV cache, activations) exceed what the memory cgroup leaves, "
+            f"{format_bytes(headroom)} ({group.describe()}); lower --memory-budget, or leave it auto"
+        )
+
+
 def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: ResolvedOptions) -> Engine:
     """Load with options already resolved (a command that loads several fresh engines plans once)."""
     from vismmoe_edge.loader import load
@@ -133,7 +186,7 @@ def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: Re
         checkpoint,
         memory_budget=resolved.memory_budget,
         pinned_layers=resolved.pinned_layers,
-        device=options.device,
+        device=resolved.device,
         dtype=options.dtype,
         tier=resolved.tier,
         predictor=options.predictor,

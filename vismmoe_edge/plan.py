@@ -1,10 +1,12 @@
 """The planner: pinned-prefix depth, expert-cache size and prefetch depth from a profile, a checkpoint's
 catalogue and the memory actually available. `vismmoe-edge plan MODEL` prints the plan and why.
 
-The rule (the seed paper's): L_semantic <= L <= floor((M_avail - C_safe) / S_layer). We also subtract the
-resident non-expert weights and keep room for one layer's top-k experts in the cache, so:
+The rule (the seed paper's): L_semantic <= L <= floor((M_avail - C_safe) / S_layer). We also subtract every other
+part the process holds (memory_plan.py: non-expert weights R, language and vision tower, the KV cache, prefill
+activations, reads in flight) and keep room for one layer's top-k experts in the cache, so:
 
-    M_e   = M_avail - C_safe - R                      (memory left for expert weights)
+    M_avail = min(MemAvailable, what the memory cgroup leaves)   (unified memory; free GPU memory on a dGPU)
+    M_e   = M_avail - C_safe - R - KV - A - IO         (memory left for expert weights)
     L_max = n                                         if M_e >= n * S_layer (every expert fits)
           = floor((M_e - k * S_e) / S_layer)          otherwise
     L     = min(L_semantic, n, L_max)                 (warn when L_max < L_semantic)
@@ -26,10 +28,15 @@ from typing import Any
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
+from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
+from vismmoe_edge.hardware.gpu_access import GpuAccess, igpu_tier
 from vismmoe_edge.hardware.profiles import Profile
+from vismmoe_edge.memory_plan import runtime_parts
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
+DETECT = "detect"  # make_plan(cgroup=DETECT): read this process's memory cgroup under `root`
+
 # RAM kept out of the pinned host tier: the OS, this process, page cache for loading the non-expert weights.
 HOST_TIER_RESERVE = 8 * GIB
 
@@ -53,7 +60,7 @@ def host_tier_decision(streamed_bytes: int, mem_available: int) -> tuple[bool, s
 class Plan:
     model_dir: str
     profile: str
-    tier: str  # "unified" (Jetson, cpu) or "gpu" (desktop-gpu): the loader's tier
+    tier: str  # the loader's tier: "unified-slots" (Jetson iGPU), "unified" (CPU page cache), "gpu" (desktop-gpu)
     pinned_layers: int
     moe_layers: int
     memory_budget_bytes: int  # pinned prefix + expert cache: the loader's --memory-budget
@@ -68,6 +75,10 @@ class Plan:
     top_k: int
     l_semantic: int
     l_max: int
+    device: str = "cpu"  # where experts are computed: "cuda" (a Jetson's iGPU, a desktop GPU) or "cpu"
+    memory_parts: dict[str, int] = field(default_factory=dict)  # what M_avail is spent on, part by part
+    cgroup: str | None = None  # the memory cgroup's limit, when one applies
+    gpu: dict[str, Any] | None = None  # the CUDA device's host-memory access facts the tier rests on
     why: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -88,15 +99,43 @@ def _gpu_free_bytes() -> int:
     return int(free)
 
 
-def _m_avail(profile: Profile, mem_available: int | None, gpu_free: int | None, root: Path) -> tuple[int, str]:
+def _m_avail(
+    profile: Profile, mem_available: int | None, gpu_free: int | None, root: Path, cgroup: CgroupMemory | None
+) -> tuple[int, str]:
     if profile.planner.unified_memory:
         if mem_available is not None:
-            return mem_available, "MemAvailable (given)"
-        # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
-        return system.mem_available_bytes(root), f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
+            available, source = mem_available, "MemAvailable (given)"
+        else:
+            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
+            available = system.mem_available_bytes(root)
+            source = f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
+        headroom = None if cgroup is None else cgroup.headroom_bytes
+        if cgroup is not None and headroom is not None and headroom < available:
+            return headroom, f"what the memory cgroup leaves ({cgroup.describe()}), below {source}"
+        return available, source
     if gpu_free is not None:
         return gpu_free, "free GPU memory (given)"
     return _gpu_free_bytes(), "free GPU memory from torch.cuda.mem_get_info (discrete GPU)"
+
+
+def placement(profile: Profile, gpu: GpuAccess | None) -> tuple[str, str, str]:
+    """(device, tier, why): a discrete GPU gets slots in its memory; unified memory with a CUDA device (a Jetson's
+    iGPU) gets slots in pinned host memory that the GPU reads in place; without CUDA the CPU computes from the
+    page cache."""
+    if not profile.planner.unified_memory:
+        return "cuda", "gpu", "tier gpu on cuda: the cache lives in slots in GPU memory"
+    if gpu is None or profile.kind != "jetson":
+        why = "no CUDA device" if gpu is None else f"profile {profile.name} is not a Jetson's"
+        return "cpu", "unified", f"tier unified on cpu ({why}): the cache lives in the page cache of host memory"
+    refusal = gpu.slot_refusal()
+    if refusal is not None:
+        return "cpu", "unified", f"tier unified on cpu: {refusal}"
+    tier, note = igpu_tier(gpu)
+    why = (
+        f"tier {tier} on cuda ({gpu.name}, {gpu.source}): expert slots in pinned, GPU-mapped host memory, filled "
+        "by exact-range reads and read in place by the GPU (no second copy in the shared DRAM)"
+    )
+    return "cuda", tier, why + (f"; {note}" if note else "")
 
 
 def make_plan(
@@ -109,17 +148,27 @@ def make_plan(
     c_safe: int | None = None,
     root: Path = Path("/"),
     profile_reason: str = "",
+    gpu: GpuAccess | None = None,
+    cgroup: CgroupMemory | None | str = DETECT,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
-    (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value."""
+    (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value. ``gpu``: the CUDA
+    device experts may be computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read
+    this process's under ``root``; None: ignore cgroups)."""
     from vismmoe_edge.describe import describe_checkpoint
 
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     d = describe_checkpoint(checkpoint)
     n, k, e = d["moe_layers"], d["top_k"], d["experts_per_layer"]
-    s_e, s_layer, resident = d["bytes_per_expert"], d["expert_bytes_per_layer"], d["resident_bytes"]
-    m_avail, source = _m_avail(profile, mem_available, gpu_free, root)
+    s_e, s_layer = d["bytes_per_expert"], d["expert_bytes_per_layer"]
+    device, tier, tier_why = placement(profile, gpu)
+    parts = runtime_parts(checkpoint, device=device)
+    resident = parts.language_weights_bytes + parts.vision_weights_bytes
+    others = parts.total_bytes - resident
+    group = read_cgroup_memory(root) if cgroup == DETECT else cgroup
+    assert group is None or isinstance(group, CgroupMemory)
+    m_avail, source = _m_avail(profile, mem_available, gpu_free, root, group)
     l_sem_from = "--l-semantic" if l_semantic is not None else f"profile {profile.name}"
     c_safe_from = "--c-safe-gib" if c_safe is not None else f"profile {profile.name}"
     l_sem = profile.planner.l_semantic if l_semantic is None else l_semantic
@@ -129,21 +178,27 @@ def make_plan(
 
     why: list[str] = [f"profile {profile.name}: {profile_reason}"] if profile_reason else []
     warnings: list[str] = []
-    m_e = m_avail - c_safe_b - resident
+    m_e = m_avail - c_safe_b - resident - others
     one_layer_topk = k * s_e
     why += [
         f"M_avail = {format_bytes(m_avail)}: {source}",
         f"C_safe = {format_bytes(c_safe_b)} ({c_safe_from}): OS and runtime headroom",
-        f"R = {format_bytes(resident)} of non-expert weights stay resident: subtracted",
-        f"M_e = M_avail - C_safe - R = {format_bytes(m_e)} for expert weights",
+        f"R = {format_bytes(resident)} of non-expert weights held once ({format_bytes(parts.vision_weights_bytes)} "
+        "of them the vision tower; their page cache is dropped after loading): subtracted",
+        f"KV = {format_bytes(parts.kv_cache_bytes)} for {parts.context_tokens} positions, A = "
+        f"{format_bytes(parts.activation_bytes)} of prefill activations for {parts.prompt_tokens} tokens (an "
+        f"estimate), IO = {format_bytes(parts.io_in_flight_bytes)} of reads in flight: subtracted",
+        f"M_e = M_avail - C_safe - R - KV - A - IO = {format_bytes(m_e)} for expert weights",
         f"S_layer = {e} experts x {format_bytes(s_e)} = {format_bytes(s_layer)} per MoE layer ({n} MoE layers, "
         f"top-{k}; sizes at the checkpoint dtype {d['dtype']})",
     ]
     if m_e < one_layer_topk:
+        where = "raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory"
         raise VismmoeError(
             f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
-            f"{format_bytes(c_safe_b)} - resident {format_bytes(resident)}) cannot hold one layer's top-{k} experts "
-            f"({format_bytes(one_layer_topk)}); free memory or lower --c-safe-gib"
+            f"{format_bytes(c_safe_b)} - resident weights {format_bytes(resident)} - KV, activations and reads "
+            f"{format_bytes(others)}) cannot hold one layer's top-{k} experts ({format_bytes(one_layer_topk)}); "
+            f"{where} or lower --c-safe-gib"
         )
 
     if m_e >= n * s_layer:
@@ -197,12 +252,18 @@ def make_plan(
             why.append(f"prefetch depth {depth}: profile asks {depth_wanted}, but {held}")
         else:
             why.append(f"prefetch depth {depth} (profile {profile.name}); {held}")
-    where = "the page cache of unified/host memory" if profile.tier == "unified" else "slots in GPU memory"
-    why.append(f"tier {profile.tier}: the cache lives in {where}")
+    why.append(tier_why)
+    memory_parts = {
+        **{name: value for name, value in parts.as_dict().items() if name.endswith("_bytes") and name != "total_bytes"},
+        "pinned_prefix_bytes": pinned * s_layer,
+        "cache_bytes": cache,
+        "reserve_bytes": c_safe_b,
+    }
+    memory_parts["total_bytes"] = sum(memory_parts.values())  # <= M_avail: the budget is what M_e leaves
     return Plan(
         model_dir=str(model_dir),
         profile=profile.name,
-        tier=profile.tier,
+        tier=tier,
         pinned_layers=pinned,
         moe_layers=n,
         memory_budget_bytes=budget,
@@ -217,20 +278,40 @@ def make_plan(
         top_k=k,
         l_semantic=l_sem,
         l_max=l_max,
+        device=device,
+        memory_parts=memory_parts,
+        cgroup=None if group is None or group.limit_bytes is None else group.describe(),
+        gpu=None if gpu is None else gpu.as_dict(),
         why=why,
         warnings=warnings,
     )
 
 
+PART_NAMES = {
+    "language_weights_bytes": "language weights",
+    "vision_weights_bytes": "vision tower",
+    "kv_cache_bytes": "KV cache",
+    "activation_bytes": "activations",
+    "io_in_flight_bytes": "reads in flight",
+    "pinned_prefix_bytes": "pinned prefix",
+    "cache_bytes": "expert cache",
+    "reserve_bytes": "reserve (C_safe)",
+    "total_bytes": "total",
+}
+
+
 def format_plan(plan: Plan) -> str:
     lines = [
-        f"plan for {plan.model_dir} (profile {plan.profile}, tier {plan.tier})",
+        f"plan for {plan.model_dir} (profile {plan.profile}, device {plan.device}, tier {plan.tier})",
         f"  pinned layers   {plan.pinned_layers} of {plan.moe_layers} MoE layers",
         f"  expert cache    {format_bytes(plan.cache_bytes)} ({plan.cache_experts} experts)",
         f"  memory budget   {format_bytes(plan.memory_budget_bytes)} "
-        f"(--memory-budget {plan.memory_budget_bytes} --pinned-layers {plan.pinned_layers} --tier {plan.tier})",
+        f"(--memory-budget {plan.memory_budget_bytes} --pinned-layers {plan.pinned_layers} --tier {plan.tier} "
+        f"--device {plan.device})",
         f"  prefetch depth  {plan.prefetch_depth}",
+        f"  memory          {format_bytes(plan.m_avail_bytes)} available ({plan.m_avail_source}), spent on:",
     ]
+    lines += [f"    {PART_NAMES[name]:<17} {format_bytes(value)}" for name, value in plan.memory_parts.items()]
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("why:")
     lines += [f"  - {reason}" for reason in plan.why]

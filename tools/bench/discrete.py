@@ -8,6 +8,10 @@ Compares, in one run, decode tokens/s and prefill latency (a prompt with ~1,100 
 - vismmoe-edge at the budget, with the pinned host tier the planner picks on this host: eviction by popularity
   (the default) and by LRU, without prediction, with the learned lookahead predictor (trace replay) and with
   CUDA graphs off (what the graphs buy);
+- the integrated-GPU tiers at the same budget, held in pinned host memory instead of GPU memory (`unified-slots`:
+  slots the GPU reads in place over the bus; `unified-registered`: the shards' own pages registered read-only).
+  On a discrete GPU every expert byte a kernel reads crosses PCIe, so these are slow here by construction; the
+  rows measure the Jetson path's bytes and overheads on the GPU we have;
 - the oracle bound: Belady's fewest bytes for the recorded routing at the same slot count, moved at the
   measured pinned bandwidth, overlapped perfectly with the all-resident compute time;
 and a torch.profiler window over decode steps at the budget: GPU compute busy, copy-engine busy, their union,
@@ -176,7 +180,13 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
     }
 
 
-def load_engine(model_dir: Path, budget: str, *, pinned_layers: int = 0, host_tier: bool = True) -> object:
+UNIFIED = ("unified-slots", "unified-registered")
+BASELINES = ("hf-resident", "accelerate")
+
+
+def load_engine(
+    model_dir: Path, budget: str, *, pinned_layers: int = 0, host_tier: bool = True, tier: str | None = None
+) -> object:
     import vismmoe_edge
 
     gc.collect()
@@ -188,7 +198,7 @@ def load_engine(model_dir: Path, budget: str, *, pinned_layers: int = 0, host_ti
     start = time.perf_counter()
     engine = vismmoe_edge.load(
         model_dir, memory_budget=budget, pinned_layers=pinned_layers, device=DEVICE,
-        tier="gpu" if DEVICE == "cuda" else "host", predictor="none", host_tier=host_tier,
+        tier=tier or ("gpu" if DEVICE == "cuda" else "host"), predictor="none", host_tier=host_tier,
     )  # fmt: skip
     engine.load_s = time.perf_counter() - start
     # after the previous engine was freed
@@ -250,14 +260,20 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     n_layers = len(engine.catalogue.moe_layers)
     decode_bytes = sum(x.bytes_read for x in log[len(log) - (new_tokens - 1) * n_layers :])
     worker = engine.experts.predictor_worker
+    fills = getattr(pipeline.tier, "fill_stats", None)  # unified-slots: bytes read straight in (O_DIRECT) or copied
     return {
+        "tier": pipeline.tier.name,
+        "fill_gb": None if fills is None else {"direct": fills.direct_bytes / 1e9, "cpu": fills.buffered_bytes / 1e9},
         "routing": "trace-replay" if replay is not None else "sampled",
         "slots": pipeline.capacity,
         "prefill_s": times[0] - start,
         "decode_s_per_token": statistics.median(steps),
         "decode_tokens_per_s": 1 / statistics.median(steps),
         "hit_rate": s["hit_rate"],
-        "gb_copied_per_decode_token": decode_bytes / (new_tokens - 1) / 1e9,
+        "gb_read_per_decode_token": decode_bytes / (new_tokens - 1) / 1e9,  # what misses moved into the cache
+        # the GPU tier DMAs every byte it reads; the unified tiers' kernels read host memory in place instead
+        "gb_copied_per_decode_token": 0.0 if pipeline.tier.name.startswith("unified") else decode_bytes
+        / (new_tokens - 1) / 1e9,
         "stall_s": s["stall_s"],
         "wasted_speculative_gb": s["wasted_speculative_bytes"] / 1e9,
         "predictor_critical_ms_per_token": engine.experts.predict_seconds * 1000 / (new_tokens + 1),
@@ -411,11 +427,14 @@ def main() -> None:
     ap.add_argument("--replay-trace", type=Path, help="also measure with routing replayed from this trace")
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--strategies", default="all-resident,popularity,lru,graphs-off,learned",
-                    help="which of our configurations to run")  # fmt: skip
+    ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
+                    "unified-slots, unified-registered, hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
     ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.strategies_given = args.strategies is not None
+    if args.strategies is None:
+        args.strategies = "all-resident,popularity,lru,graphs-off,learned"
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
     image = args.out_dir / "image-1056.png"
 
@@ -440,14 +459,17 @@ def main() -> None:
     bandwidth = pinned_bandwidth() if DEVICE == "cuda" else 1e9
     print(f"{machine}: pinned host->device {bandwidth / 1e9:.1f} GB/s; resident {resident / 1e9:.2f} GB; "
           f"expert budget {expert_budget / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    wanted = set(args.strategies.split(","))
     results: list[dict] = []
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        wanted = set(args.strategies.split(","))
         if "all-resident" in wanted:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
+        for name in UNIFIED:
+            if name in wanted:
+                engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)
         for name, e in engines.items():
             print(f"{name}: loaded in {e.load_s:.1f} s, peak GPU {e.peak_gpu_bytes / 2**30:.2f} GiB, "
                   f"host tier {getattr(e.experts.pipeline.tier, 'mirror', None) is not None}", flush=True)  # fmt: skip
@@ -464,6 +486,7 @@ def main() -> None:
             ]
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))
+            configs += [(name, name, {}) for name in UNIFIED]
             configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
@@ -474,9 +497,8 @@ def main() -> None:
                     trials[name].append(r)
                     print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)
             rows = [median_row(name, trials[name]) for _, name, _ in configs]
-            for row in rows:
-                engine = engines["all-resident" if row["strategy"] == "all-resident" else "budget"]
-                row["peak_gpu_gib"] = engine.peak_gpu_bytes / 2**30
+            for (engine_name, _, _), row in zip(configs, rows, strict=True):
+                row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30
             results += rows
             ceiling = next((r for r in rows if r["strategy"] == "all-resident"), None)
             if ceiling is not None and trials.get("popularity"):
@@ -494,12 +516,12 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
             torch._C._host_emptyCache()  # the pinned host tier's memory, which torch's host allocator keeps cached
-    if not args.skip_baselines:
-        results.append(subprocess_worker(args, "hf-resident"))
+    baselines = [b for b in BASELINES if b in wanted] if args.strategies_given else list(BASELINES)
+    if args.skip_accelerate and "accelerate" in baselines:
+        baselines.remove("accelerate")
+    for name in [] if args.skip_baselines else baselines:
+        results.append(subprocess_worker(args, name))
         print(results[-1], flush=True)
-        if not args.skip_accelerate:
-            results.append(subprocess_worker(args, "accelerate"))
-            print(results[-1], flush=True)
     summary = {
         "machine": machine,
         "date": time.strftime("%Y-%m-%d"),

@@ -35,6 +35,24 @@ app = typer.Typer(
     add_completion=False,
 )
 
+# Commands that import torch and load a model: under a memory cgroup too small for that, they must refuse with one
+# line before the imports, or the kernel OOM-kills them silently.
+LOADING_COMMANDS = {"run", "serve", "eval", "bench", "profile", "calibrate", "analyze"}
+
+
+@app.callback()
+def _check_memory(ctx: typer.Context) -> None:
+    # the subcommand's own arguments are not parsed yet: --help is looked for where the shell put it
+    if ctx.invoked_subcommand not in LOADING_COMMANDS or "--help" in sys.argv[1:] or ctx.resilient_parsing:
+        return
+    from vismmoe_edge.cli.common import fail
+    from vismmoe_edge.hardware.cgroup import startup_refusal
+
+    refusal = startup_refusal()
+    if refusal is not None:
+        raise fail(refusal)
+
+
 app.command("run")(run.run)
 app.command("info")(info.info)
 app.command("quantize")(quantize.quantize_command)

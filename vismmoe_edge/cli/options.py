@@ -28,7 +28,12 @@ PinnedOpt = Annotated[
 ]
 ProfileOpt = Annotated[str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto")]
 TierOpt = Annotated[
-    str, typer.Option("--tier", help="cache: auto (the plan's), host (RAM), gpu (CUDA), unified (page cache), mmap")
+    str,
+    typer.Option(
+        "--tier",
+        help="cache: auto (the plan's), host (RAM), gpu (CUDA memory), unified (CPU: the page cache; CUDA: pinned "
+        "slots the GPU reads in place), unified-slots, unified-registered (CUDA: registered shard pages), mmap",
+    ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")]

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from vismmoe_edge.cli.common import demo_model, fail
+from vismmoe_edge.cli.options import DeviceOpt
 from vismmoe_edge.errors import VismmoeError
 
 
@@ -24,21 +25,26 @@ def plan_command(
     c_safe_gib: Annotated[
         float | None, typer.Option("--c-safe-gib", min=0.0, help="headroom kept free (GiB); default from the profile")
     ] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
-    """Choose the pinned-prefix depth, expert-cache size and prefetch depth for this machine, and say why."""
+    """Choose the device, tier, pinned-prefix depth, expert-cache size and prefetch depth for this machine, and the
+    memory each part takes; say why."""
     from vismmoe_edge.hardware.profiles import select_profile
+    from vismmoe_edge.options import plan_gpu
     from vismmoe_edge.plan import GIB, format_plan, make_plan
 
     try:
-        chosen, reason, profile_warnings = select_profile(profile)
+        chosen, reason, profile_warnings = select_profile(profile, cuda_available=False if device == "cpu" else None)
+        gpu, _here, gpu_note = plan_gpu(device, chosen, named=profile != "auto")
         plan = make_plan(
             model_dir if model_dir is not None else demo_model(),
             chosen,
             l_semantic=l_semantic,
             c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),
             profile_reason=reason,
+            gpu=gpu,
         )
     except VismmoeError as e:
         raise fail(str(e)) from None
-    plan.warnings[:0] = profile_warnings
+    plan.warnings[:0] = profile_warnings + ([gpu_note] if gpu_note else [])
     typer.echo(json.dumps(plan.as_dict(), indent=2) if json_out else format_plan(plan))

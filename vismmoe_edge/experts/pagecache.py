@@ -434,6 +434,20 @@ def read_into(
     del keep  # the exports pinning the buffers end here
 
 
+def read_fd_into(
+    fd: int,
+    ranges: Sequence[Range],
+    addresses: Sequence[int],
+    threads: int = DEFAULT_THREADS,
+    chunk_bytes: int = DEFAULT_PREAD_CHUNK,
+) -> None:
+    """pread exact ranges of an open fd into raw addresses the caller vouches for (an O_DIRECT fd included: then
+    ranges, addresses and chunk_bytes must be aligned as the file system wants)."""
+    if len(addresses) != len(ranges):
+        raise ValueError(f"{len(ranges)} ranges but {len(addresses)} destinations")
+    _impl.pread(fd, [(int(o), int(n)) for o, n in ranges], list(addresses), max(1, threads), chunk_bytes)
+
+
 def _dest_address(dest: Any, length: int, keep: list[Any]) -> int:
     """Address of a destination with room for ``length`` bytes; ``keep`` holds what must outlive the read."""
     if isinstance(dest, int):

@@ -13,7 +13,7 @@ from vismmoe_edge.experts.slots import SlotPoolTier
 from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.units import format_bytes
 
-TIERS = ("auto", "host", "gpu", "unified", "mmap")
+TIERS = ("auto", "host", "gpu", "unified", "mmap", "unified-slots", "unified-registered")
 # Layers of top-k experts that predictions may have in flight when no plan set a depth: two, the bound peers
 # found before speculative bytes start to slow demand misses (peers.md 6.3).
 DEFAULT_PREFETCH_DEPTH = 2
@@ -87,6 +87,10 @@ def make_tier(
     on_gpu = store.device.type == "cuda"
     if name == "gpu" and not on_gpu:
         raise VismmoeError("--tier gpu needs --device cuda")
+    if name.startswith("unified") and (on_gpu or name != "unified"):  # the integrated-GPU tiers (igpu.py)
+        from vismmoe_edge.experts.igpu import make_unified_tier
+
+        return make_unified_tier(name, store, slots, pinned=pinned)
     if name in ("unified", "mmap"):
         if on_gpu:
             raise VismmoeError(f"--tier {name} serves experts to the CPU; use --device cpu (or --tier gpu)")

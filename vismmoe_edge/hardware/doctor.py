@@ -179,6 +179,25 @@ def check_cuda(board: JetsonBoard | None) -> Check:
     )
 
 
+def check_gpu_access(board: JetsonBoard | None) -> Check:
+    """The device attributes the integrated-GPU tiers rest on (hardware/gpu_access.py), and what they allow."""
+    from vismmoe_edge.hardware import gpu_access
+
+    access = gpu_access.probe(0) if system.cuda_info()["device_count"] else None
+    if access is None:
+        return Check("gpu access", True, "no CUDA device: experts are computed on the CPU", required=False,
+                     status="info")  # fmt: skip
+    slots, registration = access.slot_refusal(), access.registration_refusal()
+    verdict = (
+        f"--tier unified on cuda: slots {f'refused ({slots})' if slots else 'ok'}, registered shard ranges "
+        f"{f'refused ({registration})' if registration else 'ok'}"
+    )
+    if slots is not None and board is not None:
+        fix = "update JetPack (the iGPU must map pinned host memory); meanwhile pass --device cpu"
+        return Check("gpu access", False, f"{access.describe()}; {verdict}", fix=fix, required=False)
+    return Check("gpu access", True, f"{access.describe()}; {verdict}", required=False)
+
+
 def check_jetson(board: JetsonBoard | None, detection_error: str = "") -> Check:
     if detection_error:
         return Check(
@@ -376,6 +395,7 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         (["transformers"], check_transformers),
         (["safetensors"], check_safetensors),
         (["cuda"], lambda: check_cuda(board)),
+        (["gpu access"], lambda: check_gpu_access(board)),
         (["jetson"], lambda: check_jetson(board, board_error)),
         (["jtop"], lambda: check_jtop(root, board)),
         (["onnxruntime"], lambda: check_onnxruntime(board)),

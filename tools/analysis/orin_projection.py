@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Projected decode speed of Qwen3-VL-30B-A3B on Orin NX 16 GB and Orin Nano 8 GB with the integrated-GPU slot tier,
+from named inputs only (each with its source). Nothing here was measured on a board.
+
+    python3 tools/analysis/orin_projection.py            # the markdown table in docs/benchmarks.md
+
+Per decode token (batch 1):
+- expert memory M_e = MemAvailable - C_safe - R - KV - A - IO, the planner's rule (plan.py, memory_plan.py);
+- cache share f = min(1, M_e / all expert bytes); with uniform routing (the synthetic benchmarks' worst case) the
+  hit rate is f, so misses read (1 - f) x expert bytes per token from NVMe; a second column uses 85%, the middle
+  of the 80-90% peers expect for ~9 GB of cache over ~16.5 GB of 4-bit experts [R: notes/peers.md §7.3];
+- DRAM traffic = dense bytes (read) + 3 x expert bytes (the slot pool's decode gathers each token's k experts:
+  read + write, then the GEMMs read the copy: pool_compute.decode_experts) + 2 x miss bytes (a buffered pread
+  copies page cache -> slot; O_DIRECT would save this), at a kernel efficiency of 50% of the DRAM peak (MLC-class
+  on AGX Orin; llama.cpp reaches ~25% [R: notes/peers.md §7.2]);
+- time = NVMe time + DRAM time (not overlapped: SSD DMA and compute share the memory controller and flash-moe
+  found them not profitably overlapped on unified memory [R: notes/peers.md §6.9]); the overlapped bound max()
+  is given too.
+"""
+
+from __future__ import annotations
+
+GB, GIB = 1e9, 1 << 30
+
+INPUTS = {
+    "expert_bytes": ({"bf16": 9.44e6, "int4": 2.51e6}, "one expert (bf16: peers.md §7.1; int4 g128 with bf16 scale "
+                     "and zero per group: quantization.md §4)"),
+    "experts": (6144, "48 MoE layers x 128 experts (peers.md §7.1)"),
+    "top_k_layers": (8 * 48, "experts a token touches: top-8 x 48 layers (peers.md §7.1)"),
+    "dense_read_bytes": (2.46e9, "non-expert weights read per token, bf16 (peers.md §7.1); they stay bf16 with int4 "
+                         "experts (quantization.md §5)"),
+    "language_weights_bytes": (3.09e9, "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
+                               "H200 run: 'keeps the 3.09 GB of non-expert weights resident')"),
+    "vision_weights_bytes": (1.08e9, "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
+                             "defaults (depth 27, hidden 1152, MLP 4304) with out_hidden 2048; not checked against the "
+                             "hub's config.json"),
+    "kv_bytes": (4608 * 48 * 2 * 4 * 128 * 2, "KV cache for 4,608 positions (memory_plan.DEFAULT_CONTEXT_TOKENS) x 48 "
+                 "layers x K,V x 4 KV heads x 128 x bf16"),
+    "activation_bytes": (4096 * 67584 * 2, "memory_plan.activation_bytes for a 4,096-token prefill [I]"),
+    "boards": (
+        {
+            "Orin NX 16 GB": {"mem_available": 12582912 * 1024, "c_safe": 1.5 * GIB, "dram": 102.4e9},
+            "Orin Nano 8 GB (Super)": {"mem_available": 5243904 * 1024, "c_safe": 1.0 * GIB, "dram": 102.0e9},
+            "Orin Nano 8 GB": {"mem_available": 5243904 * 1024, "c_safe": 1.0 * GIB, "dram": 68.0e9},
+        },
+        "MemAvailable: the recorded board trees tests/fixtures/boards/orin-nx-16gb-jp5 and orin-nano-8gb-super-jp6 "
+        "(/proc/meminfo); C_safe: profiles orin-nx-16gb--maxn (1.5 GiB), orin-nano-8gb[-super]--* (1.0 GiB); DRAM "
+        "peak: jetson.md §1 (102.4 GB/s NX; 68 -> 102 GB/s Nano Super)",
+    ),
+    "nvme": ((2.0e9, 3.5e9, 6.0e9), "NVMe read bandwidth classes of peers.md §7.3 (Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); "
+             "no board's NVMe was measured"),
+    "efficiency": (0.5, "share of the DRAM peak the kernels reach (MLC-class on AGX Orin, peers.md §7.2)"),
+}
+
+
+def project(board: dict, precision: str, nvme: float, hit: float | None) -> dict:
+    v = {k: value for k, (value, _) in INPUTS.items()}
+    s_e = v["expert_bytes"][precision]
+    io = 4 * s_e
+    m_e = (board["mem_available"] - board["c_safe"] - v["language_weights_bytes"] - v["vision_weights_bytes"]
+           - v["kv_bytes"] - v["activation_bytes"] - io)  # fmt: skip
+    top_k_bytes = 8 * s_e
+    if m_e < top_k_bytes:
+        return {"m_e": m_e, "refused": True}
+    f = min(1.0, m_e / (v["experts"] * s_e))
+    h = f if hit is None else max(hit, f)
+    per_token = v["top_k_layers"] * s_e
+    miss = (1 - h) * per_token
+    t_nvme = miss / nvme
+    dram = v["dense_read_bytes"] + 3 * per_token + 2 * miss
+    t_dram = dram / (board["dram"] * v["efficiency"])
+    return {"m_e": m_e, "f": f, "hit": h, "miss": miss, "t_nvme": t_nvme, "t_dram": t_dram,
+            "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram), "refused": False}  # fmt: skip
+
+
+def main() -> None:
+    boards, _ = INPUTS["boards"]
+    print("| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
+          "(serial) | at 3.5 GB/s, overlapped bound |")
+    print("|---|---|---:|---:|---:|---:|---|---:|")
+    for name, board in boards.items():
+        for precision in ("bf16", "int4"):
+            for hit in (None, 0.85):
+                rows = [project(board, precision, nvme, hit) for nvme in INPUTS["nvme"][0]]
+                r = rows[1]
+                if r["refused"]:
+                    if hit is None:
+                        print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | refused: less than one layer's "
+                              "top-8 left for experts | | | | |")
+                    continue
+                label = "= f (uniform routing)" if hit is None else "85% (peers' range)"
+                speeds = " / ".join(f"{x['serial']:.2f}" for x in rows)
+                print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | {r['f']:.0%} | {label}: {r['hit']:.0%} | "
+                      f"{r['miss'] / GB:.2f} | {speeds} | {r['overlapped']:.2f} |")
+    print()
+    for key, (_, source) in INPUTS.items():
+        print(f"- `{key}`: {source}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Expert slots in pinned, GPU-mapped host memory, filled by exact-range reads and read in place by the GPU.
+
+For a Jetson Orin: the iGPU shares the DRAM with the CPU and the page cache, cannot read pageable or mmapped
+memory, and has no GPUDirect Storage (notes/linux-io.md §10-11). So the slot pool (one `[slots, 2I, H]` and one
+`[slots, H, I]` tensor, pinned prefix included, as experts/slots.py lays it out for pool_compute.py) lives in
+host memory registered with CUDA (host_memory.py), and its tensors are CUDA views of that memory: the batched
+expert kernels read the slots where the reads left them. A miss is a pread (O_DIRECT where aligned) of the
+expert's byte ranges straight into its slot, then its page cache is dropped (slot_fill.py): each expert byte is
+in DRAM once, with no staging buffer and no device copy. On a discrete GPU the same tier works, with the kernels
+reading host memory over the bus (slow; it is how this path is tested off a Jetson).
+
+The slots keep each part as the checkpoint stores it, so every layout fills with plain reads: the hub layout's
+transposed parts are stored transposed and exposed as transposed views (`[slots, H, 2I]` viewed as
+`[slots, 2I, H]`); per-expert gate and up parts fill the two halves of the gate_up slot.
+
+Slot reuse is ordered by the GPU: compute records the slot's `freed` event after its last kernel that reads the
+slot, and the CPU waits on that event before it reads a new expert into the slot (the CPU must not write memory
+the GPU may still read). Without CUDA (device cpu) the same code fills plain anonymous memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertPart
+from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.experts.host_memory import HostMemory
+from vismmoe_edge.experts.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.hardware import cudart
+
+ExpertKey = tuple[int, int]
+
+
+def _gate_up_layout(parts: tuple[ExpertPart, ...]) -> tuple[tuple[int, int], bool]:
+    """(the gate_up slot's stored shape, whether it is the transpose of nn.Linear's [2I, H])."""
+    kinds = {p.kind: p for p in parts}
+    if "gate_up" in kinds:
+        return kinds["gate_up"].shape, kinds["gate_up"].transposed
+    gate, up = kinds["gate"], kinds["up"]  # per-expert [I, H] each, never transposed (checkpoint.py)
+    return (gate.shape[0] + up.shape[0], gate.shape[1]), False
+
+
+class UnifiedSlotTier:
+    name = "unified-slots"
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        slots: int,
+        *,
+        pinned: int = 0,
+        runtime: cudart.CudaRuntime | None = None,
+        direct: bool = True,
+        reader: Reader = default_reader,
+    ) -> None:
+        catalogue = store.catalogue
+        if catalogue.dtype != DTYPE_NAMES[store.dtype]:
+            raise VismmoeError(
+                f"--tier {self.name} reads expert bytes straight into the slots the kernels use, so the compute "
+                f"dtype must be the checkpoint's ({catalogue.dtype}); pass --dtype auto or use --tier gpu"
+            )
+        self.store = store
+        self.device = store.device
+        self.dtype = store.dtype
+        self.on_gpu = store.device.type == "cuda"
+        if self.on_gpu and runtime is None:
+            raise ValueError("a CUDA slot tier needs the CUDA runtime to register its memory")
+        self.capacity = slots  # slots [0, capacity) cache streamed experts; [capacity, +pinned) hold the prefix
+        loc = next(iter(catalogue.experts.values()))
+        self._kinds = tuple(p.kind for p in loc.parts)
+        gu_shape, gu_transposed = _gate_up_layout(loc.parts)
+        down = next(p for p in loc.parts if p.kind == "down")
+        itemsize = store.dtype.itemsize
+        self.gate_up_bytes = gu_shape[0] * gu_shape[1] * itemsize
+        self.down_bytes = down.nbytes
+        self.slot_bytes = self.gate_up_bytes + self.down_bytes
+        total = slots + pinned
+        index = 0
+        if self.on_gpu:
+            index = store.device.index if store.device.index is not None else torch.cuda.current_device()
+        self.memory = HostMemory(total * self.slot_bytes, runtime=runtime, device_index=index)
+        device = torch.device("cuda", index) if self.on_gpu else torch.device("cpu")
+        self._gate_up_base = self.memory.address
+        self._down_base = self.memory.address + total * self.gate_up_bytes
+        gu = self.memory.view(0, total * self.gate_up_bytes, device).view(store.dtype).view(total, *gu_shape)
+        dn = self.memory.view(total * self.gate_up_bytes, total * self.down_bytes, device)
+        dn = dn.view(store.dtype).view(total, *down.shape)
+        # compute wants nn.Linear orientation, [slots, 2I, H] and [slots, H, I]: transposed parts become views
+        self.gate_up = gu.transpose(1, 2) if gu_transposed else gu
+        self.down = dn.transpose(1, 2) if down.transposed else dn
+        self.pool = self  # every resident expert is in these two tensors: compute gathers by slot
+        self.pinned_slot: dict[ExpertKey, int] = {}
+        self.filler = SlotFiller(direct=direct, reader=reader)
+        self.fill_stats = FillStats()
+        self._stats_lock = threading.Lock()
+        if self.on_gpu:
+            self.events = [torch.cuda.Event() for _ in range(total)]  # unused by fills: the CPU writes the slots
+            self.freed = [torch.cuda.Event() for _ in range(total)]  # compute's last kernel reading the slot
+
+    def read_bytes(self, key: ExpertKey) -> int:
+        return self.slot_bytes
+
+    def slot_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """(address, length) of the slot's bytes in host memory (tests check every write lands here)."""
+        return [
+            (self._gate_up_base + slot * self.gate_up_bytes, self.gate_up_bytes),
+            (self._down_base + slot * self.down_bytes, self.down_bytes),
+        ]
+
+    def reads(self, key: ExpertKey, slot: int) -> list[Read]:
+        """Each part of the expert and the address in the slot it goes to, as stored."""
+        parts = self.store.catalogue.expert(*key).parts
+        if tuple(p.kind for p in parts) != self._kinds:
+            raise VismmoeError(f"expert {key} is stored as {[p.kind for p in parts]}, unlike the first expert")
+        out, gate_up_at = [], self._gate_up_base + slot * self.gate_up_bytes
+        for part in parts:
+            if part.kind == "down":
+                out.append(Read(part.shard, part.offset, part.nbytes, self._down_base + slot * self.down_bytes))
+            else:  # gate_up, or gate then up stacked into the gate_up slot
+                out.append(Read(part.shard, part.offset, part.nbytes, gate_up_at))
+                gate_up_at += part.nbytes
+        return out
+
+    # ---- a fetch (an I/O thread) ----------------------------------------------------------------------------
+    def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights:
+        if self.on_gpu:
+            self.freed[slot].synchronize()  # kernels queued before may still read the slot's previous expert
+        stats = self.filler.fill(self.reads(key, slot))
+        with self._stats_lock:
+            self.fill_stats.add(stats)
+        return self.weights(slot)
+
+    def weights(self, slot: int) -> ExpertWeights:
+        return ExpertWeights(gate_up=self.gate_up[slot], down=self.down[slot])
+
+    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], None]:
+        """Read the pinned prefix into the slots after the cache's; they are never evicted."""
+        weights = {}
+        for i, key in enumerate(keys):
+            slot = self.capacity + i
+            weights[key] = self.fetch(key, slot)
+            self.pinned_slot[key] = slot
+        return weights, None
+
+    # ---- compute's side ---------------------------------------------------------------------------------------
+    def ready(self, key: ExpertKey, slot: int) -> None:
+        """Nothing to wait for: the pread finished before the entry was marked loaded, and kernels launched after
+        a host write see it (pinned mapped memory; Orin is I/O coherent)."""
+
+    def done(self, key: ExpertKey, slot: int) -> None:
+        if self.on_gpu:
+            self.freed[slot].record(torch.cuda.current_stream(self.device))
+
+    def release(self, key: ExpertKey, slot: int) -> None:
+        """Nothing to free: the next fetch overwrites the slot once `freed` says the GPU is done with it."""
+
+    def drop_page_cache(self, shards: Iterable[Path]) -> None:
+        """After loading: nothing of the shards is read through the page cache any more, so all of it goes."""
+        drop_whole_files(shards)
+
+    def close(self) -> None:
+        self.filler.close()
