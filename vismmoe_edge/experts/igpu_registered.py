@@ -21,6 +21,7 @@ slot pool, so compute takes the per-expert path (compute.py) and the engine deco
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -83,6 +84,16 @@ class SegmentRegistry:
                     self.registered_bytes += length
                 self.counts[seg] = self.counts.get(seg, 0) + 1
                 done.append(seg)
+
+    def release_all(self) -> None:
+        """Unregister everything still registered: before the mappings go, or the driver keeps ranges registered
+        that a later mmap may reuse (cudaHostRegister then fails with 712, "already mapped": seen on the H200)."""
+        with self._lock:
+            for seg in list(self.counts):
+                shard, offset, _ = seg
+                self.runtime.host_unregister(self.address_of[shard] + offset)
+            self.counts.clear()
+            self.registered_bytes = 0
 
     def release(self, segs: list[Segment]) -> list[Segment]:
         """Let go of `segs`; returns those now unregistered (their pages may be dropped)."""
@@ -210,8 +221,13 @@ class UnifiedRegisteredTier:
     def close(self) -> None:
         for slot in list(self._held):
             self.release(self._held[slot], slot)
+        self.registry.release_all()  # the pinned prefix's too
         for mf in self.shards.files.values():
             mf.close()
+
+    def __del__(self) -> None:  # an engine dropped without close(): unregister before the mappings are unmapped
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def mapping_anonymous_bytes(path: Path, smaps: str | None = None) -> int | None:
