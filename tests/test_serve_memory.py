@@ -1,7 +1,7 @@
 """The daemon's memory stays under its cgroup limit for any request mix (issue 14).
 
 Eight concurrent requests, each of eight 4096x4096 PNGs as data URLs (a small body: the pixels are the cost),
-against a daemon in a 1.5 GiB cgroup-v1 memory cgroup (tools/memcgroup.py; the same accounting systemd's
+against a daemon in a 1.5 GiB cgroup-v1 memory cgroup (tools/bench/memcgroup.py; the same accounting systemd's
 MemoryMax= applies). With the default limits every request is refused from its image headers, before
 admission; with the limits raised so that all eight are admitted, the pixels are decoded one request at a time
 in the worker. Either way the daemon stays alive, every request gets a clean HTTP status, and its RSS comes
@@ -25,7 +25,7 @@ from serve_support import REPO, Server, random_demo_model, user
 
 sys.path.insert(0, str(REPO / "tools"))
 
-import memcgroup  # noqa: E402
+from bench import memcgroup  # noqa: E402
 
 LIMIT = "1.5GiB"
 CLIENTS = 8

@@ -13,8 +13,8 @@ the openai clients do, else Retry-After), and reports:
 
 Traffic goes to 127.0.0.1 only; every loop is bounded in count and time, and the daemon is stopped at the end.
 
-    python tools/load_test.py                          # 50 clients, 300 requests, --max-queue 8
-    python tools/load_test.py --clients 10 --requests 40 --json out.json
+    python tools/bench/load_test.py                          # 50 clients, 300 requests, --max-queue 8
+    python tools/bench/load_test.py --clients 10 --requests 40 --json out.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -11,7 +11,7 @@ one step. A library that is not installed is skipped.
 Part 2 (end to end): decode on the demo model with and without `response_format: json_object` (our
 JsonConstraint processor, through Engine.stream), as seconds per generated token.
 
-    python tools/bench_constrained.py [--json out.json]
+    python tools/bench/constrained.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 SCHEMA = {
