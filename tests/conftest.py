@@ -44,3 +44,20 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         img.save(path)
         paths.append(path)
     return paths
+
+
+@pytest.fixture()
+def cold_checkpoints(checkpoints, tmp_path: Path) -> dict[str, Path]:
+    """Private copies of the checkpoints, none of whose pages is in the page cache.
+
+    The shared checkpoints do not do for page-cache assertions: an engine an earlier test left for the garbage
+    collector still maps them, and pages mapped elsewhere survive every drop (CI saw 13 of 13 pages stay)."""
+    import shutil
+
+    from vismmoe_edge.experts import pagecache
+
+    copies = {layout: Path(shutil.copytree(path, tmp_path / layout)) for layout, path in checkpoints.items()}
+    for path in copies.values():
+        for shard in path.glob("*.safetensors"):
+            assert pagecache.evict_file(shard, attempts=50) == 0, f"{shard} stays in the page cache"
+    return copies

@@ -68,11 +68,9 @@ def make_tier(model_dir: Path, runtime: FakeRuntime, slots: int = 8) -> tuple[Un
     return UnifiedRegisteredTier(store, slots, runtime=runtime), store  # type: ignore[arg-type]
 
 
-def test_an_evicted_range_is_unregistered_and_leaves_the_page_cache(checkpoints):
-    for shard in checkpoints["v5"].glob("*.safetensors"):
-        pagecache.evict_file(shard)  # written moments ago: dirty pages cannot be dropped until written back
+def test_an_evicted_range_is_unregistered_and_leaves_the_page_cache(cold_checkpoints):
     rt = FakeRuntime()
-    tier, store = make_tier(checkpoints["v5"], rt)
+    tier, store = make_tier(cold_checkpoints["v5"], rt)
     layer = store.catalogue.moe_layers[0]
     keys = [(layer, 0), (layer, 7)]  # far apart: no shared pages
     for slot, key in enumerate(keys):

@@ -51,13 +51,13 @@ def make_tier(model_dir: Path, slots: int = 8, **kw) -> tuple[UnifiedSlotTier, E
 
 
 @pytest.mark.parametrize("layout", ["v5", "hub", "per_expert"])
-def test_a_miss_writes_each_byte_once_into_its_slot_and_leaves_no_page_cache(checkpoints, layout):
+def test_a_miss_writes_each_byte_once_into_its_slot_and_leaves_no_page_cache(cold_checkpoints, layout):
     reader = CountingReader()
-    tier, store = make_tier(checkpoints[layout], reader=reader)
+    tier, store = make_tier(cold_checkpoints[layout], reader=reader)
     keys = [(store.catalogue.moe_layers[i % 3], 3 * i) for i in range(5)]
-    for shard in shards_of(checkpoints[layout]):
+    for shard in shards_of(cold_checkpoints[layout]):
         tier.filler.shard(shard)  # opened (and its O_DIRECT alignment asked) before anything is counted
-        pagecache.evict_file(shard)
+        assert pagecache.evict_file(shard, attempts=50) == 0
     copies: list[torch.Size] = []
     original_copy = torch.Tensor.copy_
 
@@ -183,12 +183,12 @@ def test_the_compute_dtype_must_be_the_checkpoints(checkpoints):
         UnifiedSlotTier(store, 4)
 
 
-def test_after_loading_the_page_cache_holds_no_weight(checkpoints):
+def test_after_loading_the_page_cache_holds_no_weight(cold_checkpoints):
     """Non-expert weights live once, in the model's tensors; experts in the slots (shared DRAM on a Jetson)."""
-    model_dir = checkpoints["v5"]
+    model_dir = cold_checkpoints["v5"]
     info = inspect_checkpoint(model_dir)  # before: reading the headers reads ahead into the tensors
     for shard in shards_of(model_dir):
-        pagecache.evict_file(shard)
+        assert pagecache.evict_file(shard, attempts=50) == 0
     engine = vismmoe_edge.load(model_dir, memory_budget="50%", pinned_layers=2, device="cpu", tier="unified-slots")
     resident = 0
     for tensor in info.table.values():
