@@ -5,7 +5,8 @@
         --layers 8 --experts 128 --test-from 160000 --out /tmp/trace-predictor.onnx
 
 `vismmoe-edge --replay-trace` (and tools/bench/unified.py) maps model MoE layer i to trace layer i mod 26 and keeps
-expert ids, so the predictor is trained on trace layers 0..L-1 over the model's E experts. Training uses only
+expert ids, so the predictor is trained on trace layers i mod 26 for i < L over the model's E experts (a 48-layer
+model sees trace layers 0..25, then 0..21 again). Training uses only
 prompts that end before token `--test-from` and whose content (blob) does not reappear after it: replays that
 start at or after `--test-from` then test it on routing it never saw. The trace is read from its path only.
 """
@@ -46,6 +47,7 @@ def main() -> None:
     tokens_file = args.tokens_file or args.trace.with_name(args.trace.name.replace("_top6.npz", "_tokens.jsonl"))
     blobs = [json.loads(line)["blob"] for line in tokens_file.read_text().splitlines() if line.strip()]
     starts, ends = offsets[:-1], offsets[1:]  # prompt i is ids[offsets[i]:offsets[i + 1]]
+    layer_map = np.arange(args.layers) % ids.shape[1]  # model layer i replays trace layer i mod 26, as replay does
     test_blobs = {b for b, start in zip(blobs, starts, strict=True) if start >= args.test_from}
     rng = np.random.default_rng(args.seed)
     seen: set[str] = set()
@@ -54,7 +56,7 @@ def main() -> None:
         if end > args.test_from or blob in test_blobs or blob in seen or end <= start:
             continue
         seen.add(blob)
-        chunks.append(ids[start:end, : args.layers])
+        chunks.append(ids[start:end][:, layer_map])
         requests.append(np.full(end - start, n))
     order = rng.permutation(len(chunks))
     picked, total = [], 0
