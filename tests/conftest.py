@@ -51,7 +51,8 @@ def cold_checkpoints(checkpoints, tmp_path: Path) -> dict[str, Path]:
     """Private copies of the checkpoints, none of whose pages is in the page cache.
 
     The shared checkpoints do not do for page-cache assertions: an engine an earlier test left for the garbage
-    collector still maps them, and pages mapped elsewhere survive every drop (CI saw 13 of 13 pages stay)."""
+    collector may still map them, and pages mapped elsewhere survive every drop (in CI a "cold" miss read 0 bytes
+    from disk: its pages had never left)."""
     import shutil
 
     from vismmoe_edge.experts import pagecache
