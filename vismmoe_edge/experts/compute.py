@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
-from vismmoe_edge.experts.pool_compute import decode_experts, grouped_mm_works, prefill_experts
+from vismmoe_edge.experts.pool_compute import decode_experts, expert_mlp, grouped_mm_works, prefill_experts
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
 from vismmoe_edge.quant.pool import pool_forward
@@ -76,7 +75,7 @@ class OffloadedExperts(nn.Module):
         pool = getattr(pipeline.tier, "pool", None)
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
             slot_of = self._acquire_slots(order)
-            slots = torch.tensor([[slot_of[int(e)] for e in row] for row in index_cpu.tolist()], device=pool.device)
+            slots = slot_ids(index_cpu, slot_of).to(pool.device)
             out = self.pool_compute(hidden_states, slots, top_k_weights)
             self._finish(order)
         else:
@@ -157,7 +156,7 @@ class OffloadedExperts(nn.Module):
         pipeline = self.runtime.pipeline
         out = torch.zeros_like(hidden_states)
         if hidden_states.shape[0] == 1:  # decode: one token, each routed expert once; no index juggling
-            slot_of = {int(e): j for j, e in enumerate(index_cpu[0])}
+            slot_of = {e: j for j, e in enumerate(index_cpu[0].tolist())}
             for expert in order:
                 weights = pipeline.acquire(self.layer, expert)
                 out += self._expert(hidden_states, weights) * top_k_weights[:, slot_of[expert], None]
@@ -176,5 +175,11 @@ class OffloadedExperts(nn.Module):
     def _expert(self, x: torch.Tensor, weights: ExpertWeights | QuantizedExpert) -> torch.Tensor:
         if isinstance(weights, QuantizedExpert):  # int4/int8 in place: the unified tier's mmap views
             return expert_forward(x, weights, self.act_fn)
-        gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, weights.down)
+        return expert_mlp(x, weights.gate_up, weights.down, self.act_fn)
+
+
+def slot_ids(index: torch.Tensor, slot_of: dict[int, int]) -> torch.Tensor:
+    """Expert ids [T, k] -> the slot of each, through a lookup table (a prefill routes thousands of pairs)."""
+    table = torch.zeros(max(slot_of) + 1, dtype=torch.long)
+    table[list(slot_of)] = torch.tensor(list(slot_of.values()))
+    return table[index]

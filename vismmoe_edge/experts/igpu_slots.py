@@ -30,6 +30,7 @@ from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.host_memory import HostMemory
 from vismmoe_edge.experts.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
+from vismmoe_edge.experts.slots import pin_after_cache
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 from vismmoe_edge.hardware import cudart
 
@@ -139,13 +140,7 @@ class UnifiedSlotTier:
         return ExpertWeights(gate_up=self.gate_up[slot], down=self.down[slot])
 
     def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], None]:
-        """Read the pinned prefix into the slots after the cache's; they are never evicted."""
-        weights = {}
-        for i, key in enumerate(keys):
-            slot = self.capacity + i
-            weights[key] = self.fetch(key, slot)
-            self.pinned_slot[key] = slot
-        return weights, None
+        return pin_after_cache(self, keys), None
 
     # ---- compute's side ---------------------------------------------------------------------------------------
     def ready(self, key: ExpertKey, slot: int) -> None:

@@ -22,11 +22,22 @@ def decode_experts(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
 ) -> torch.Tensor:
     """x [1, H], slots and weights [1, k] -> [1, H]: one token's k experts as two batched GEMMs."""
-    w_gate_up = gate_up.index_select(0, slots[0])  # [k, 2I, H]
-    w_down = down.index_select(0, slots[0])  # [k, H, I]
+    return gathered_experts(x, gate_up.index_select(0, slots[0]), down.index_select(0, slots[0]), weights, act)
+
+
+def gathered_experts(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, act: Act
+) -> torch.Tensor:
+    """x [1, H], the token's k experts gathered ([k, 2I, H], [k, H, I]) and their weights [1, k] -> [1, H]."""
     gate, up = torch.matmul(w_gate_up, x[0]).chunk(2, dim=-1)  # [k, I] each
     y = torch.matmul(w_down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [k, H]
     return (y * weights[0, :, None]).sum(0, keepdim=True).to(x.dtype)
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act) -> torch.Tensor:
+    """One expert on rows x [N, H]: gate_up [2I, H], down [H, I] in nn.Linear's orientation."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(act(gate) * up, down)
 
 
 def grouped_mm_works(dtype: torch.dtype, device: torch.device) -> bool:
@@ -49,31 +60,47 @@ def prefill_experts(
     grouped: bool,
 ) -> torch.Tensor:
     """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once."""
-    tokens, k = slots.shape
-    flat = slots.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, expert) pairs grouped by slot
-    token_of = order // k
-    xs = x[token_of]
-    if grouped:
-        # One group per slot in use: CUDA's grouped GEMM takes at most 1,024 groups, a pool has thousands of slots,
-        # so the slots in use (at most the layer's experts) are gathered first.
-        used, group = torch.unique(flat, return_inverse=True)
-        counts = torch.bincount(group, minlength=used.shape[0])
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        w_gate_up = gate_up.index_select(0, used).transpose(-2, -1)
-        w_down = down.index_select(0, used).transpose(-2, -1)
-        gate, up = torch._grouped_mm(xs, w_gate_up, offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(act(gate) * up, w_down, offs=offs)
-    else:
-        sorted_slots = flat[order]
-        used, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-        y = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
-        start = 0
-        for slot, count in zip(used.tolist(), counts.tolist(), strict=True):
-            rows = slice(start, start + count)
-            gate, up = F.linear(xs[rows], gate_up[slot]).chunk(2, dim=-1)
-            y[rows] = F.linear(act(gate) * up, down[slot])
-            start += count
+    if not grouped:
+        return per_slot_experts(x, slots, weights, lambda slot, rows: expert_mlp(rows, gate_up[slot], down[slot], act))
+    order, token_of, xs = sort_by_slot(x, slots)
+    # One group per slot in use: CUDA's grouped GEMM takes at most 1,024 groups, a pool has thousands of slots,
+    # so the slots in use (at most the layer's experts) are gathered first.
+    used, group = torch.unique(slots.reshape(-1), return_inverse=True)
+    counts = torch.bincount(group, minlength=used.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    w_gate_up = gate_up.index_select(0, used).transpose(-2, -1)
+    w_down = down.index_select(0, used).transpose(-2, -1)
+    gate, up = torch._grouped_mm(xs, w_gate_up, offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(act(gate) * up, w_down, offs=offs)
+    return combine_pairs(x, y, weights, order, token_of)
+
+
+def per_slot_experts(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """x [T, H], slots and weights [T, k] -> [T, H]: `expert(slot, rows)` once per slot in use, on its tokens."""
+    order, token_of, xs = sort_by_slot(x, slots)
+    used, counts = torch.unique_consecutive(slots.reshape(-1)[order], return_counts=True)
+    y = torch.empty(xs.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for slot, count in zip(used.tolist(), counts.tolist(), strict=True):
+        rows = slice(start, start + count)
+        y[rows] = expert(slot, xs[rows])
+        start += count
+    return combine_pairs(x, y, weights, order, token_of)
+
+
+def sort_by_slot(x: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs grouped by slot: their order in `slots.reshape(-1)`, each one's token, its row."""
+    order = torch.argsort(slots.reshape(-1), stable=True)
+    token_of = order // slots.shape[1]
+    return order, token_of, x[token_of]
+
+
+def combine_pairs(
+    x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor
+) -> torch.Tensor:
+    """Each pair's output y (in slot order) times its routing weight, summed into its token's row (in the
+    weights' dtype until the sum, as transformers' experts do: GLM's and DeepSeek's routers give float32)."""
     y = y * weights.reshape(-1)[order, None]
-    out = torch.zeros_like(x)
-    return out.index_add_(0, token_of, y.to(x.dtype))
+    return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))

@@ -10,14 +10,9 @@ on the copy stream, before the slot's event, so compute never sees a half-built 
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.host_tier import HostMirror
 from vismmoe_edge.experts.slots import SlotPoolTier
-from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.quant.kernels import QuantizedExpert
 from vismmoe_edge.quant.slot_form import SlotForm
 
@@ -25,39 +20,12 @@ ExpertKey = tuple[int, int]
 
 
 class QuantSlotPoolTier(SlotPoolTier):
-    def __init__(
-        self,
-        store: ExpertStore,
-        slots: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        *,
-        pinned: int = 0,
-        mirror: HostMirror | None = None,
-    ) -> None:
-        spec = store.catalogue.quant
-        self.store = store
-        self.device = device
-        self.dtype = dtype  # the activations' dtype (the kernels' inputs and outputs)
-        self.on_gpu = device.type == "cuda"
-        self.name = "gpu-slots" if self.on_gpu else "host-slots"
-        self.capacity = slots
-        self.spec = spec
-        self.form = SlotForm.for_device(spec, device)
-        total = slots + pinned
-        self.records = torch.empty((total, spec.nbytes), dtype=torch.uint8, device=device)
-        self.slot_bytes = spec.nbytes
-        self._read_bytes = spec.nbytes
-        self.pool = self
-        self.pinned_slot: dict[ExpertKey, int] = {}
-        self.mirror = mirror
-        self._local = threading.local()
-        self._files: dict[object, pagecache.MappedFile] = {}
-        self._files_lock = threading.Lock()
-        if self.on_gpu:
-            self.events = [torch.cuda.Event() for _ in range(total)]
-            self.freed = [torch.cuda.Event() for _ in range(total)]
-            self._streams_lock = threading.Lock()
+    def _allocate(self, total: int) -> None:
+        """The slots' storage: one record of `spec.nbytes` per slot, in the device's SlotForm."""
+        self.spec = self.store.catalogue.quant
+        self.form = SlotForm.for_device(self.spec, self.device)
+        self.records = torch.empty((total, self.spec.nbytes), dtype=torch.uint8, device=self.device)
+        self.slot_bytes = self._read_bytes = self.spec.nbytes
 
     def fetch(self, key: ExpertKey, slot: int) -> QuantizedExpert:  # type: ignore[override]
         loc = self.store.catalogue.expert(*key)

@@ -40,20 +40,13 @@ class SlotPoolTier:
     ) -> None:
         self.store = store
         self.device = device
-        self.dtype = dtype
+        self.dtype = dtype  # the compute dtype (of the activations, and of the weights where not quantized)
         self.on_gpu = device.type == "cuda"
         self.name = "gpu-slots" if self.on_gpu else "host-slots"
         self.capacity = slots  # slots [0, capacity) cache streamed experts; [capacity, +pinned) hold the prefix
-        loc = next(iter(store.catalogue.experts.values()))
-        shapes = {p.kind: (p.shape[::-1] if p.transposed else p.shape) for p in loc.parts}
-        inter_x2 = shapes["gate_up"][0] if "gate_up" in shapes else 2 * shapes["gate"][0]
-        hidden, inter = shapes["down"]
         total = slots + pinned
-        self.gate_up = torch.empty((total, inter_x2, hidden), dtype=dtype, device=device)
-        self.down = torch.empty((total, hidden, inter), dtype=dtype, device=device)
-        self.slot_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * dtype.itemsize
-        self._read_bytes = loc.nbytes
-        self.pool = self  # every resident expert is in these two tensors: compute gathers by slot
+        self._allocate(total)
+        self.pool = self  # every resident expert is in the pool's tensors: compute gathers by slot
         self.pinned_slot: dict[ExpertKey, int] = {}
         self.mirror = mirror
         self._local = threading.local()
@@ -64,6 +57,17 @@ class SlotPoolTier:
             self.freed = [torch.cuda.Event() for _ in range(total)]  # compute done reading the slot
             self._streams_lock = threading.Lock()
 
+    def _allocate(self, total: int) -> None:
+        """The slots' storage: `[total, 2I, H]` and `[total, H, I]` at the compute dtype."""
+        loc = next(iter(self.store.catalogue.experts.values()))
+        shapes = {p.kind: (p.shape[::-1] if p.transposed else p.shape) for p in loc.parts}
+        inter_x2 = shapes["gate_up"][0] if "gate_up" in shapes else 2 * shapes["gate"][0]
+        hidden, inter = shapes["down"]
+        self.gate_up = torch.empty((total, inter_x2, hidden), dtype=self.dtype, device=self.device)
+        self.down = torch.empty((total, hidden, inter), dtype=self.dtype, device=self.device)
+        self.slot_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * self.dtype.itemsize
+        self._read_bytes = loc.nbytes
+
     def read_bytes(self, key: ExpertKey) -> int:
         return self._read_bytes
 
@@ -72,12 +76,7 @@ class SlotPoolTier:
         return self.on_gpu and self.mirror is not None and key in self.mirror
 
     def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], None]:
-        """Load the pinned prefix into the slots after the cache's; they are never evicted."""
-        weights = {}
-        for i, key in enumerate(keys):
-            slot = self.capacity + i
-            weights[key] = self.fetch(key, slot)
-            self.pinned_slot[key] = slot
+        weights = pin_after_cache(self, keys)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         return weights, None
@@ -178,6 +177,16 @@ class SlotPoolTier:
         for mf in self._files.values():
             mf.close()
         self._files.clear()
+
+
+def pin_after_cache(tier, keys: list[ExpertKey]) -> dict:  # type: ignore[no-untyped-def]
+    """Fetch the pinned prefix into a slot tier's slots after the cache's (they are never evicted)."""
+    weights = {}
+    for i, key in enumerate(keys):
+        slot = tier.capacity + i
+        weights[key] = tier.fetch(key, slot)
+        tier.pinned_slot[key] = slot
+    return weights
 
 
 def _carve(staging: torch.Tensor, parts: tuple[ExpertPart, ...]):  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from vismmoe_edge.experts.pool_compute import gathered_experts, per_slot_experts
 from vismmoe_edge.quant.kernels import expert_forward, int8_cuda_path
 from vismmoe_edge.quant.slot_form import SlotForm
 
@@ -32,9 +33,7 @@ def _int8_batched(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, 
     down = form.batched(chosen, "down_proj.qweight").to(dtype) * form.batched(chosen, "down_proj.scales").to(
         dtype
     ).unsqueeze(-1)  # [k, H, I]
-    gate, up = torch.matmul(gate_up, x[0]).chunk(2, dim=-1)  # [k, I] each
-    y = torch.matmul(down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [k, H]
-    return (y * weights[0, :, None]).sum(0, keepdim=True).to(dtype)
+    return gathered_experts(x, gate_up, down, weights, act)
 
 
 def decode_quantized(
@@ -69,21 +68,7 @@ def prefill_quantized(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act
 ) -> torch.Tensor:
     """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once, one GEMM per slot in use."""
-    tokens, k = slots.shape
-    flat = slots.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, expert) pairs grouped by slot
-    token_of = order // k
-    xs = x[token_of]
-    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    y = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
-    start = 0
-    for slot, count in zip(used.tolist(), counts.tolist(), strict=True):
-        rows = slice(start, start + count)
-        y[rows] = expert_forward(xs[rows], form.views(records[slot]), act)
-        start += count
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
-    out = torch.zeros_like(x)
-    return out.index_add_(0, token_of, y.to(x.dtype))
+    return per_slot_experts(x, slots, weights, lambda slot, rows: expert_forward(rows, form.views(records[slot]), act))
 
 
 def pool_forward(
