@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,35 +9,19 @@ import torch
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vismmoe_edge
+from tests.hf_reference import (
+    NEW_TOKENS,
+    PROMPTS,
+    Reference,
+    assert_matches,
+    hf_kwargs,
+    hf_references,
+    teacher_forced_logits,
+)
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
-from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
+from vismmoe_edge.prompt import encode_prompt, load_image
 from vismmoe_edge.sampling import SamplingConfig
-
-NEW_TOKENS = 6
-PROMPTS = {
-    "text": ("Tell me a story about the sea.", 0),
-    "one_image": ("What shape is red?", 1),
-    "two_images": ("Which image has more blue?", 2),
-}
-
-
-@dataclass
-class Reference:
-    inputs: PromptInputs
-    tokens: list[int]
-    logits: list[torch.Tensor]  # per generated position, before any logits processor
-
-
-def hf_kwargs(inputs: PromptInputs) -> dict[str, torch.Tensor]:
-    kwargs = {"input_ids": inputs.input_ids, "attention_mask": torch.ones_like(inputs.input_ids)}
-    if inputs.pixel_values is not None:
-        kwargs |= {
-            "pixel_values": inputs.pixel_values,
-            "image_grid_thw": inputs.image_grid_thw,
-            "mm_token_type_ids": inputs.mm_token_type_ids,
-        }
-    return kwargs
 
 
 @pytest.fixture(scope="module")
@@ -46,29 +29,8 @@ def references(checkpoints: dict[str, Path], images: list[Path]) -> dict[str, Re
     model_dir = checkpoints["v5"]
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
     processor = load_processor(model_dir)
-    refs = {}
-    for name, (prompt, n_images) in PROMPTS.items():
-        inputs = encode_prompt(processor, prompt, [load_image(p) for p in images[:n_images]])
-        with torch.no_grad():
-            out = model.generate(
-                **hf_kwargs(inputs),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,  # random weights may emit EOS at once; both sides suppress it alike
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, inputs.num_tokens :].tolist()
-        refs[name] = Reference(inputs, tokens, [step[0].float() for step in out.logits])
-    return refs
-
-
-def teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> list[torch.Tensor]:
-    logits, state = engine.prefill(inputs)
-    steps = [logits.float()]
-    for token in tokens[:-1]:
-        steps.append(engine.decode_step(token, state).float())
-    return steps
+    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
+                         images)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["v5", "hub", "per_expert"])
@@ -96,14 +58,7 @@ def test_engine_matches_transformers(checkpoints, references, layout: str, budge
 @pytest.mark.parametrize("tier", ["host", "unified", "mmap", "unified-slots"])
 def test_every_tier_and_predictor_matches_transformers(checkpoints, references, tier: str, predictor: str) -> None:
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", pinned_layers=1, tier=tier, predictor=predictor)
-    for name, ref in references.items():
-        result = engine.generate_from_inputs(
-            ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        )
-        assert result.token_ids == ref.tokens, name
-        ours = teacher_forced_logits(engine, ref.inputs, ref.tokens)
-        for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
-            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
+    assert_matches(engine, references, atol=1e-5)
     if tier != "mmap":
         assert engine.experts.pipeline.stats.speculative_bytes > 0  # the predictor really drove prefetches
 
@@ -179,22 +134,13 @@ def test_cuda_slot_pool_matches_transformers(
         )
         assert result.token_ids == tokens, prompt
         if dtype == torch.float32:
-            ours = static_teacher_forced_logits(engine, inputs, tokens)
+            ours = teacher_forced_logits(engine, inputs, tokens, static=True)
             for step, (a, b) in enumerate(zip(ours, out.logits, strict=True)):
                 b = b[0].float()
                 assert torch.allclose(a, b, atol=1e-4, rtol=0), f"{prompt} step {step}: {(a - b).abs().max()}"
     assert engine.experts.pipeline.stats.misses > 0
     assert (engine.experts.pipeline.tier.mirror is not None) == host_tier
     assert all(d.graphs == graphs for d in engine._decoders.values())
-
-
-def static_teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> list[torch.Tensor]:
-    logits, state = engine.prefill(inputs)
-    engine.start_decode(state, len(tokens))
-    steps = [logits.float()]
-    for token in tokens[:-1]:
-        steps.append(engine.decode_step(token, state).float().clone())
-    return steps
 
 
 @pytest.mark.parametrize("layout", ["v5", "hub"])
@@ -206,12 +152,5 @@ def test_static_cache_decode_matches_transformers(checkpoints, references, layou
                                tier="host")  # fmt: skip
     engine.static_decode = "on"
     assert engine.uses_static_decode()
-    for name, ref in references.items():
-        result = engine.generate_from_inputs(
-            ref.inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        )
-        assert result.token_ids == ref.tokens, name
-        ours = static_teacher_forced_logits(engine, ref.inputs, ref.tokens)
-        for step, (a, b) in enumerate(zip(ours, ref.logits, strict=True)):
-            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"{name} step {step}: {(a - b).abs().max()}"
+    assert_matches(engine, references, static=True, atol=1e-5)
     assert len(engine._decoders) == 1  # one decoder (one capture on CUDA) served every prompt

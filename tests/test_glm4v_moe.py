@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import Glm4vMoeForConditionalGeneration
 
 import vismmoe_edge
+from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs, teacher_forced_logits
 from vismmoe_edge.compress.prune import CompressionConfig
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.errors import VismmoeError
@@ -21,14 +22,8 @@ from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.prompt import PromptInputs, encode_prompt, load_image
 from vismmoe_edge.sampling import SamplingConfig
 
-NEW_TOKENS = 6
 LAYERS = 7  # layer 0 dense (first_k_dense_replace = 1), layers 1..6 MoE: 25% leaves 8 slots beside 1 pinned
 MOE_LAYERS = list(range(1, LAYERS))
-PROMPTS = {
-    "text": ("Tell me a story about the sea.", 0),
-    "one_image": ("What shape is red?", 1),
-    "two_images": ("Which image has more blue?", 2),
-}
 
 
 @dataclass
@@ -49,17 +44,6 @@ def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_model(glm_dir: Path) -> Glm4vMoeForConditionalGeneration:
     return Glm4vMoeForConditionalGeneration.from_pretrained(glm_dir, experts_implementation="eager").eval()
-
-
-def hf_kwargs(inputs: PromptInputs) -> dict[str, torch.Tensor]:
-    kwargs = {"input_ids": inputs.input_ids, "attention_mask": torch.ones_like(inputs.input_ids)}
-    if inputs.pixel_values is not None:
-        kwargs |= {
-            "pixel_values": inputs.pixel_values,
-            "image_grid_thw": inputs.image_grid_thw,
-            "mm_token_type_ids": inputs.mm_token_type_ids,
-        }
-    return kwargs
 
 
 def hf_prefill_routes(model: Glm4vMoeForConditionalGeneration, inputs: PromptInputs) -> dict[int, torch.Tensor]:
@@ -102,14 +86,6 @@ def references(glm_dir: Path, hf_model, images: list[Path]) -> dict[str, Referen
         tokens = out.sequences[0, inputs.num_tokens :].tolist()
         refs[name] = Reference(inputs, tokens, [step[0].float() for step in out.logits], routes)
     return refs
-
-
-def teacher_forced_logits(engine, inputs: PromptInputs, tokens: list[int]) -> list[torch.Tensor]:
-    logits, state = engine.prefill(inputs)
-    steps = [logits.float()]
-    for token in tokens[:-1]:
-        steps.append(engine.decode_step(token, state).float())
-    return steps
 
 
 def test_tiny_checkpoint_is_in_the_glm_layout(glm_dir: Path) -> None:

@@ -1,5 +1,5 @@
 """Quantized Qwen3-VL-MoE checkpoints through the engine against transformers' own model loaded with the same file's
-dequantized weights: same greedy tokens and logits within LOGIT_ATOL (tests/quant_fidelity.py), text and images,
+dequantized weights: same greedy tokens and logits within LOGIT_ATOL (tests/hf_reference.py), text and images,
 at 100% and 25% budgets, on the host slots and the unified page-cache tier, and through the static decoder.
 
 The tiny checkpoints use moe_intermediate 96 so that group 32 (a group the int4 kernels take) divides both
@@ -17,7 +17,7 @@ import torch
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vismmoe_edge
-from tests.quant_fidelity import assert_matches, hf_references
+from tests.hf_reference import assert_matches, hf_references
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.quant.convert import quantize_checkpoint

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import DeepseekV2ForCausalLM, Glm4vMoeForConditionalGeneration
 
 import vismmoe_edge
-from tests.quant_fidelity import LOGIT_ATOL, NEW_TOKENS, assert_matches, hf_references
+from tests.hf_reference import LOGIT_ATOL, NEW_TOKENS, assert_matches, hf_references
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.quant.convert import quantize_checkpoint
 from vismmoe_edge.quant.dequantize import dequantize_checkpoint

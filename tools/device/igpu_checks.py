@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_engine_equivalence import NEW_TOKENS, PROMPTS, hf_kwargs  # noqa: E402
+from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs  # noqa: E402
 from vismmoe_edge.experts import pagecache, slot_fill  # noqa: E402
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE  # noqa: E402
 from vismmoe_edge.hardware import cudart, gpu_access  # noqa: E402

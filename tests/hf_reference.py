@@ -1,10 +1,10 @@
-"""Shared by the quantized-engine fidelity tests: a quantized tiny checkpoint, the same file dequantized
-(quant.dequantize), and transformers' own model's greedy tokens and logits on the dequantized one.
+"""transformers' own model as the reference: the prompts, its greedy tokens and per-step logits, and the check that
+an engine gives the same tokens with logits within a tolerance. Shared by the equivalence and fidelity tests.
 
-The tolerance (docs/quantization.md, "Fidelity"): the reference checkpoints are float32 and the kernels compute
-in float32 from the same dequantized weights, so the only differences are one rounding per dequantized weight
-and the accumulation order; logits stay within LOGIT_ATOL, while a wrong nibble, group or scale moves them by
-0.1-1 (tested in test_quant_engine.py).
+The quantized runs' tolerance (docs/quantization.md, "Fidelity"): the reference checkpoints are float32 and the
+kernels compute in float32 from the same dequantized weights, so the only differences are one rounding per
+dequantized weight and the accumulation order; logits stay within LOGIT_ATOL, while a wrong nibble, group or
+scale moves them by 0.1-1 (tested in test_quant_engine.py).
 """
 
 from __future__ import annotations
