@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs  # noqa: E402
+from tools.device.checks import Checks  # noqa: E402
 from vismmoe_edge.experts import pagecache, slot_fill  # noqa: E402
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE  # noqa: E402
 from vismmoe_edge.hardware import cudart, gpu_access  # noqa: E402
@@ -55,30 +55,6 @@ MIB, GIB = 1 << 20, 1 << 30
 BUDGETS = (("100%", 1), ("25%", 1), ("10%", 0))  # (budget, pinned layers): 10% of 10 layers has no room to pin
 VARIANTS = ("unified", "unified-registered")  # --tier unified is the default variant (slots)
 DTYPES = ((torch.bfloat16, "hub"), (torch.float32, "v5"))
-
-
-class Checks:
-    def __init__(self, needs_cuda: bool = True) -> None:
-        self.results: list[dict[str, Any]] = []
-        self.cuda = torch.cuda.is_available() or not needs_cuda
-
-    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if not self.cuda:
-            self.results.append({"name": name, "status": "skipped", "reason": "no CUDA device"})
-            return self.results[-1]
-        start = time.perf_counter()
-        try:
-            out = fn()
-            status = "pass" if out.pop("ok", True) else "fail"
-            self.results.append({"name": name, "status": status, **out})
-        except Exception as e:  # noqa: BLE001 - one failing check must not stop the others
-            self.results.append({"name": name, "status": "fail", "error": f"{type(e).__name__}: {e}",
-                                 "trace": traceback.format_exc(limit=4)[-1200:]})  # fmt: skip
-        r = self.results[-1]
-        r["seconds"] = round(time.perf_counter() - start, 2)
-        print(f"[{r['status']:4s}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("name", "trace")}),
-              flush=True)  # fmt: skip
-        return r
 
 
 def timed(fn: Callable[[], Any], sync: bool = True) -> float:

@@ -21,7 +21,6 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.device.checks import Checks  # noqa: E402
 from vismmoe_edge.quant.config import make_config  # noqa: E402
 from vismmoe_edge.quant.kernels import (  # noqa: E402
     CUDA_TINYGEMM,
@@ -54,28 +54,6 @@ from vismmoe_edge.quant.record import ExpertSpec, encode_expert, encode_matrix  
 MATRICES = {"30b gate_up": (1536, 2048, 128), "30b down": (2048, 768, 128), "demo gate_up": (96, 192, 64)}
 EXPERTS = {"30b": (2048, 768, 128)}  # hidden, moe_intermediate, group
 TOLERANCE = 1e-2  # bf16 activations and outputs: two bf16 roundings (<= 2^-8 each) and accumulation order
-
-
-class Checks:
-    def __init__(self, quick: bool) -> None:
-        self.results: list[dict[str, Any]] = []
-        self.quick = quick
-
-    def run(self, name: str, fn: Callable[[], dict[str, Any]], *, needs_cuda: bool = True) -> None:
-        if needs_cuda and not torch.cuda.is_available():
-            self.results.append({"name": name, "status": "skipped", "reason": "no CUDA device"})
-            return
-        start = time.perf_counter()
-        try:
-            out = fn()
-            status = "pass" if out.pop("ok", True) else "fail"
-            self.results.append({"name": name, "status": status, **out})
-        except Exception as e:  # noqa: BLE001 - one failing check must not stop the others
-            self.results.append({"name": name, "status": "fail", "error": f"{type(e).__name__}: {e}",
-                                 "trace": traceback.format_exc(limit=3)[-800:]})  # fmt: skip
-        self.results[-1]["seconds"] = round(time.perf_counter() - start, 3)
-        r = self.results[-1]
-        print(f"[{r['status']:4s}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("name", "trace")}))
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "device"))
-from quant_checks import Checks, cuda_median_us, environment, rel_err  # noqa: E402
+from quant_checks import cuda_median_us, environment, rel_err  # noqa: E402
 
+from tools.device.checks import Checks  # noqa: E402
 from vismmoe_edge.experts.pool_compute import decode_experts, prefill_experts  # noqa: E402
 from vismmoe_edge.quant import kernels  # noqa: E402
 from vismmoe_edge.quant.config import make_config  # noqa: E402
