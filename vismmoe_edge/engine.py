@@ -299,8 +299,6 @@ class Engine:
         has_pool = getattr(pipeline.tier, "pool", None) is not None and room
         if self.static_decode == "off" or not has_pool or not supports_static_decode(self.model):
             return False
-        if getattr(self.experts.pipeline.tier, "pool", None) is None:  # the graph path reads experts by slot id
-            return False
         return self.static_decode == "on" or self.device.type == "cuda"
 
     def start_decode(self, state: DecodeState, max_new_tokens: int) -> None:

@@ -96,7 +96,7 @@ class OffloadedExperts(nn.Module):
         order = pipeline.begin_layer(self.layer, experts.tolist(), (counts / index_cpu.shape[0]).tolist())
         if rt.predictor_worker is not None:
             start = time.perf_counter()
-            rt.predictor_worker.submit(self.layer, hidden, top_k_index)
+            rt.predictor_worker.submit(self.layer, hidden, index_cpu)  # already on the host: no second sync
             rt.predict_seconds += time.perf_counter() - start
         elif rt.predictor is not None:
             start = time.perf_counter()
