@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How far the quantized engine is from transformers on the dequantized file, and how far that file is from its
-float source: the margins behind LOGIT_ATOL (tests/quant_fidelity.py, docs/quantization.md section 7.3).
+float source: the margins behind LOGIT_ATOL (tests/hf_reference.py, docs/quantization.md section 7.3).
 
     python tools/analysis/quant_fidelity_margins.py [--work /tmp/qfm]
 
