@@ -295,12 +295,28 @@ def test_render_with_a_given_background() -> None:
 
 
 def training_scenes(n: int) -> list[sv.Scene]:
+    """Plain and confusable training scenes, every other pair with the wide layout (any split's look)."""
     rng = random.Random(11)
     sizes = [(448, 448), (640, 1056), (1056, 864)]
-    return [
-        sv.confusable_scene(rng, size=sizes[i % 3]) if i % 2 else sv.make_scene(rng, size=sizes[i % 3])
-        for i in range(n)
-    ]
+    scenes = []
+    for i in range(n):
+        layout = sv.WIDE_LAYOUT if i % 4 >= 2 else None
+        make = sv.confusable_scene if i % 2 else sv.make_scene
+        scenes.append(make(rng, size=sizes[i % 3], layout=layout))
+    return scenes
+
+
+def test_wide_layout_covers_both_splits_looks() -> None:
+    rng = random.Random(5)
+    scenes = [sv.make_scene(rng, size=(864, 864), layout=sv.WIDE_LAYOUT) for _ in range(300)]
+    kinds = {s.background for s in scenes}
+    assert kinds == set(sv.BACKGROUNDS + sv.SHIFTED_BACKGROUNDS)
+    radii = [o.radius for s in scenes for o in s.objects]
+    assert min(radii) < sv.RADII["small"][0] and max(radii) > sv.RADII["large"][1]  # the shifted split's sizes too
+    for s in scenes:  # objects stay whole inside the image, labels included
+        for o in s.objects:
+            x0, y0, x1, y1 = o.box()
+            assert x0 >= 0 and y0 >= 0 and x1 <= s.width and y1 <= s.height
 
 
 def test_existence_training_qas_balanced_hard_negatives() -> None:
@@ -352,6 +368,17 @@ def test_training_qas_answers_rederived() -> None:
                         assert others[1] - others[0] >= sv.MIN_OFFSET
                     assert nearest_palette(pixels[obj.y, obj.x]) == qa.answer
                     forms["bound colour"] += 1
+                elif m := re.fullmatch(r"Is the ([\w ]+) (right of|above|below) the ([\w ]+)\?", qa.question):
+                    a, b = resolve(m.group(1), scene), resolve(m.group(3), scene)
+                    key, sign = {"right of": ("x", -1), "above": ("y", 1), "below": ("y", -1)}[m.group(2)]
+                    assert abs(getattr(a, key) - getattr(b, key)) >= sv.MIN_OFFSET
+                    assert qa.answer == ("yes" if sign * getattr(a, key) < sign * getattr(b, key) else "no")
+                    forms["relation"] += 1
+                elif m := re.fullmatch(r"Which is lower, the ([\w ]+) or the ([\w ]+)\?", qa.question):
+                    a, b = resolve(m.group(1), scene), resolve(m.group(2), scene)
+                    bottom, top = (a, b) if a.y > b.y else (b, a)
+                    assert qa.answer in (bottom.shape, bottom.color) and qa.answer not in (top.shape, top.color)
+                    forms["relation"] += 1
                 elif m := re.fullmatch(r"How many (\w+) (circle|square|triangle)s are there\?", qa.question):
                     color, shape = m.groups()
                     expected = sum(shape_from_pixels(pixels, o) == shape and o.color == color for o in scene.objects)
@@ -359,7 +386,7 @@ def test_training_qas_answers_rederived() -> None:
                     forms["conjunction count"] += 1
                 else:
                     check_answer(scene, pixels, qa.question, qa.answer, qa.family)
-    assert forms["bound colour"] > 20 and forms["conjunction count"] > 50
+    assert forms["bound colour"] > 20 and forms["conjunction count"] > 50 and forms["relation"] > 50
     assert set(families) == set(sv.FAMILIES)
 
 

@@ -20,6 +20,7 @@ from vismmoe_edge.prompt import build_messages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "training"))
 
+import leak_check as L  # noqa: E402
 import train_data as D  # noqa: E402
 import train_demo as T  # noqa: E402
 import train_fast as F  # noqa: E402
@@ -201,3 +202,17 @@ def test_smoke_run_resumes_and_records_the_lineage(tmp_path: Path) -> None:
     # a second run continues from the first and extends the lineage
     again = T.main([str(tmp_path / "again"), "--smoke", "--init", str(out)])
     assert again["run"] == 3 and again["resumed_from"]["runs_before"] == 2
+
+
+def test_training_stream_holds_no_split_scene() -> None:
+    """The leak check replays the real stream (two workers' first scenes here; the run's whole stream in
+    docs/training/README.md) and finds no split scene, exact or by layout."""
+    result = L.check(images=400, workers=2, seed=0, sides="448,1056", token_budget=20_000, split_n=200)
+    assert result["training_scenes"] >= 400
+    assert all(v == 0 for counts in result["matches"].values() for v in counts.values()), result
+    # the keys do see a split scene, and its layout with other colours
+    scene = sv.generate_example("test", 0, sv.SPLITS["test"][0]).scene
+    objects = [sv.SceneObject(**{**vars(o), "color": "black"}) for o in scene.objects]
+    recoloured = sv.Scene(**{**vars(scene), "objects": objects})
+    exact, layout = L.split_keys(1)["test"]
+    assert L.exact_key(scene) in exact and L.layout_key(recoloured) in layout

@@ -26,7 +26,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vismmoe_edge.evaluation import shapes_vqa as sv
 from vismmoe_edge.prompt import build_messages
 
-DATA_VERSION = "shapes-vqa-train-v2"  # independent turns, balanced hard-negative existence, bound colour, conjunctions
+# v2: independent turns, balanced hard-negative existence, bound colour, conjunctions; v3: + wide layouts (every
+# split's backgrounds, radii and placements, from the training seeds) and relation questions in all directions
+DATA_VERSION = "shapes-vqa-train-v3"
 TEXT_CLASSES = [str(d) for d in range(10)] + list(sv.WORDS)
 # class 0 = nothing there; the 4th head marks the cell holding an object's centre (one per object: what counts)
 AUX_CLASSES = (len(sv.PALETTE) + 1, len(sv.SHAPES) + 1, len(TEXT_CLASSES) + 1, 2)
@@ -240,6 +242,7 @@ class StreamConfig:
     aux_labels: str = "object"
     background_reuse: float = 4.0  # mean uses of a rendered background (1: every scene its own)
     text_boost: float = 0.5  # chance that an object without a label gets one: reading has the fewest questions
+    wide_layout: float = 0.5  # share of scenes drawn with sv.WIDE_LAYOUT (any split's backgrounds, radii, edges)
 
 
 class BackgroundCache:
@@ -248,8 +251,8 @@ class BackgroundCache:
     draws a fresh background with probability 1 / reuse (which then replaces a random cached one), else a
     random cached one, so backgrounds keep turning over."""
 
-    def __init__(self, reuse: float, size: int = 16) -> None:
-        self.reuse, self.size = reuse, size
+    def __init__(self, reuse: float, size: int = 16, render: Any = sv._background) -> None:
+        self.reuse, self.size, self.render = reuse, size, render  # render: swapped out by the leak check
         self.cache: dict[tuple[int, int], list[Any]] = {}
 
     def get(self, scene: sv.Scene, rng: random.Random) -> Any | None:
@@ -257,7 +260,7 @@ class BackgroundCache:
             return None
         pool = self.cache.setdefault((scene.width, scene.height), [])
         if len(pool) < self.size or rng.random() < 1 / self.reuse:
-            image = sv._background(scene)
+            image = self.render(scene)
             if len(pool) < self.size:
                 pool.append(image)
             else:
@@ -275,23 +278,33 @@ class BatchStream(IterableDataset):
         self.encoder = TurnEncoder(processor)
         self.backgrounds = BackgroundCache(config.background_reuse)
 
+    def draw(self, rng: random.Random, bucket: Bucket) -> tuple[sv.Scene, list[sv.QA], Any | None]:
+        """One training sample before rendering: its scene, question turns and (reused) background."""
+        size = (bucket.width, bucket.height)
+        layout = sv.WIDE_LAYOUT if rng.random() < self.config.wide_layout else None
+        if rng.random() < self.config.confusable:
+            scene = sv.confusable_scene(rng, size=size, layout=layout)
+        else:
+            scene = sv.make_scene(rng, size=size, layout=layout)
+        for obj in scene.objects:  # the label area is reserved below every object, so any may get one
+            if obj.text is None and rng.random() < self.config.text_boost:
+                obj.text = rng.choice(TEXT_CLASSES)
+        turns = pick_turns(sv.training_qas(scene, rng), rng, bucket.slots)
+        return scene, turns, self.backgrounds.get(scene, rng)
+
+    def worker_rng(self, worker: int) -> random.Random:
+        train_seed = sv.SPLITS["train"][0]
+        return random.Random(f"{train_seed}:batches:{self.config.seed}:{worker}")
+
     def batch(self, rng: random.Random, bucket: Bucket) -> dict[str, torch.Tensor]:
         images = np.empty((bucket.batch, bucket.height, bucket.width, 3), dtype=np.uint8)
         ids = torch.empty((bucket.batch, bucket.seq_len), dtype=torch.long)
         real = torch.empty((bucket.batch, bucket.seq_len), dtype=torch.bool)
         targets = torch.empty((bucket.batch, bucket.slots * bucket.slot_len), dtype=torch.long)
         labels = np.empty((bucket.batch, bucket.visual_tokens, 4), dtype=np.int64)
-        size = (bucket.width, bucket.height)
         for i in range(bucket.batch):
-            if rng.random() < self.config.confusable:
-                scene = sv.confusable_scene(rng, size=size)
-            else:
-                scene = sv.make_scene(rng, size=size)
-            for obj in scene.objects:  # the label area is reserved below every object, so any may get one
-                if obj.text is None and rng.random() < self.config.text_boost:
-                    obj.text = rng.choice(TEXT_CLASSES)
-            turns = pick_turns(sv.training_qas(scene, rng), rng, bucket.slots)
-            images[i] = np.asarray(sv.render(scene, self.backgrounds.get(scene, rng)))
+            scene, turns, background = self.draw(rng, bucket)
+            images[i] = np.asarray(sv.render(scene, background))
             ids[i], targets[i], real[i] = encode_sample(self.encoder, bucket, turns)
             labels[i] = token_labels(scene, images[i], self.config.aux_labels)
         return {
@@ -304,9 +317,7 @@ class BatchStream(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        worker = info.id if info is not None else 0
-        train_seed = sv.SPLITS["train"][0]
-        rng = random.Random(f"{train_seed}:batches:{self.config.seed}:{worker}")
+        rng = self.worker_rng(info.id if info is not None else 0)
         while True:
             index = rng.randrange(len(self.config.buckets))
             batch = self.batch(rng, self.config.buckets[index])

@@ -300,6 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--confusable", type=float, default=0.5, help="share of scenes from few colours and shapes")
     parser.add_argument("--background-reuse", type=float, default=4.0, help="mean uses of a rendered background")
     parser.add_argument("--text-boost", type=float, default=0.5, help="chance a label-less object gets a label")
+    parser.add_argument("--wide-layout", type=float, default=0.5, help="share of scenes with every split's layouts")
     parser.add_argument("--aux-labels", choices=("object", "cell"), default="object")
     parser.add_argument("--aux-weight", type=float, default=0.5)
     parser.add_argument("--balance-weight", type=float, default=0.01, help="router load-balancing loss weight")
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         capturable=cuda,
     )
     config = D.StreamConfig(
-        args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse, args.text_boost
+        args.seed, buckets, args.confusable, args.aux_labels, args.background_reuse, args.text_boost, args.wide_layout
     )
     stream = D.BatchStream(config, processor)
     loader = DataLoader(

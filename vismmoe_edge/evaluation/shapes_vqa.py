@@ -103,8 +103,10 @@ class Example:
 # Scene sampling
 
 
-def _sample_background(rng: random.Random, shifted: bool) -> tuple[str, tuple[int, int, int]]:
-    kind = rng.choice(SHIFTED_BACKGROUNDS if shifted else BACKGROUNDS)
+def _sample_background(
+    rng: random.Random, shifted: bool, kinds: tuple[str, ...] | None = None
+) -> tuple[str, tuple[int, int, int]]:
+    kind = rng.choice(kinds if kinds is not None else SHIFTED_BACKGROUNDS if shifted else BACKGROUNDS)
     # Muted pastel: channels in [150, 220], far from every palette colour.
     rgb = (rng.randint(150, 220), rng.randint(150, 220), rng.randint(150, 220))
     return kind, rgb
@@ -136,6 +138,27 @@ def _overlaps(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> boo
     return not (a[2] + GAP < b[0] or b[2] + GAP < a[0] or a[3] + GAP < b[1] or b[3] + GAP < a[1])
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Training only: which backgrounds, radii and placements a scene draws from. The splits never pass one; a
+    training scene with `WIDE_LAYOUT` looks like either split (any of their backgrounds, radii spanning both, and
+    objects hugging an edge with probability `edge_share`), drawn from the training stream's own seeds."""
+
+    backgrounds: tuple[str, ...]
+    radii: dict[str, tuple[int, int]]
+    edge_share: float
+
+
+WIDE_LAYOUT = Layout(
+    backgrounds=BACKGROUNDS + SHIFTED_BACKGROUNDS,
+    radii={
+        "small": (SHIFTED_RADII["small"][0], RADII["small"][1]),
+        "large": (RADII["large"][0], SHIFTED_RADII["large"][1]),
+    },
+    edge_share=0.5,
+)
+
+
 def _sample_text(rng: random.Random) -> str | None:
     roll = rng.random()
     if roll < 0.3:
@@ -154,14 +177,15 @@ def make_scene(
     colors: tuple[str, ...] | None = None,
     shapes: tuple[str, ...] | None = None,
     objects_range: tuple[int, int] = (2, 6),
+    layout: Layout | None = None,
 ) -> Scene:
     """`sides` narrows the image sizes (a training curriculum); the splits always use SIDES. Training only:
     `size` fixes (width, height) (static shapes), `colors`/`shapes` narrow what objects may be (confusable
-    scenes) and `objects_range` how many are attempted. With the defaults the draws are those the splits were
-    made with."""
+    scenes), `objects_range` how many are attempted and `layout` mixes the splits' backgrounds, radii and
+    placements. With the defaults the draws are those the splits were made with."""
     width, height = size if size is not None else (rng.choice(sides), rng.choice(sides))
-    kind, rgb = _sample_background(rng, shifted)
-    radii = SHIFTED_RADII if shifted else RADII
+    kind, rgb = _sample_background(rng, shifted, layout.backgrounds if layout is not None else None)
+    radii = layout.radii if layout is not None else SHIFTED_RADII if shifted else RADII
     objects: list[SceneObject] = []
     target = rng.randint(*objects_range)
     colors = colors if colors is not None else tuple(PALETTE)
@@ -171,7 +195,8 @@ def make_scene(
             break
         size_name = rng.choice(SIZES)
         radius = rng.randint(*radii[size_name])
-        x, y = _sample_position(rng, width, height, radius, shifted)
+        edge = shifted if layout is None else rng.random() < layout.edge_share
+        x, y = _sample_position(rng, width, height, radius, edge)
         obj = SceneObject(rng.choice(shapes), rng.choice(colors), size_name, x, y, radius, _sample_text(rng))
         if not any(_overlaps(obj.box(), other.box()) for other in objects):
             objects.append(obj)
@@ -380,12 +405,16 @@ def make_example(rng: random.Random, *, shifted: bool = False) -> tuple[Scene, l
 # forms whose words do not predict the answer. Each QA carries the family of the test questions it trains.
 
 
-def confusable_scene(rng: random.Random, *, size: tuple[int, int], shifted: bool = False) -> Scene:
+def confusable_scene(
+    rng: random.Random, *, size: tuple[int, int], shifted: bool = False, layout: Layout | None = None
+) -> Scene:
     """3-6 objects drawn from two or three colours and two or three shapes: every colour and shape recurs, so
     existence questions have hard negatives and counts have distractors of the same colour or shape."""
     colors = tuple(rng.sample(list(PALETTE), rng.randint(2, 3)))
     shapes = tuple(rng.sample(SHAPES, rng.randint(2, 3)))
-    return make_scene(rng, shifted=shifted, size=size, colors=colors, shapes=shapes, objects_range=(3, 6))
+    return make_scene(
+        rng, shifted=shifted, size=size, colors=colors, shapes=shapes, objects_range=(3, 6), layout=layout
+    )
 
 
 def existence_training_qas(scene: Scene, rng: random.Random, pairs: int = 3) -> list[QA]:
@@ -450,9 +479,33 @@ def conjunction_count_qas(scene: Scene) -> list[QA]:
     ]
 
 
+def relation_qas(scene: Scene) -> list[QA]:
+    """Position relations in the other directions ("right of", "above", "below", "Which is lower"): the test asks
+    only "left of" and "higher", and a model that learns those two as answer priors of the words gets the shifted
+    split's layouts wrong. Same unambiguous phrases and MIN_OFFSET as the test's forms."""
+    qas = []
+    objs = scene.objects
+    for i, a in enumerate(objs):
+        for b in objs[i + 1 :]:
+            da, db = _describe(a, objs), _describe(b, objs)
+            if da is None or db is None:
+                continue
+            if abs(a.x - b.x) >= MIN_OFFSET:
+                qas.append(QA(f"Is the {da} right of the {db}?", "yes" if a.x > b.x else "no", "position"))
+            if abs(a.y - b.y) >= MIN_OFFSET:
+                qas.append(QA(f"Is the {da} above the {db}?", "yes" if a.y < b.y else "no", "position"))
+                qas.append(QA(f"Is the {db} below the {da}?", "yes" if b.y > a.y else "no", "position"))
+                distinct = "shape" if a.shape != b.shape else "color" if a.color != b.color else None
+                if distinct:
+                    lower = a if a.y > b.y else b
+                    qas.append(QA(f"Which is lower, the {da} or the {db}?", getattr(lower, distinct), "position"))
+    return qas
+
+
 def training_qas(scene: Scene, rng: random.Random) -> dict[str, list[QA]]:
     """Every training question about a scene, by family: the test's forms (existence replaced by the balanced
-    hard-negative set), plus the bound colour and conjunction count forms. Questions are unique within a family."""
+    hard-negative set), plus the bound colour, conjunction count and relation forms. Questions are unique within a
+    family."""
     qas = (
         _color_qas(scene)
         + bound_color_qas(scene)
@@ -460,6 +513,7 @@ def training_qas(scene: Scene, rng: random.Random) -> dict[str, list[QA]]:
         + _count_qas(scene)
         + conjunction_count_qas(scene)
         + _position_qas(scene)
+        + relation_qas(scene)
         + existence_training_qas(scene, rng)
         + _reading_qas(scene)
     )
