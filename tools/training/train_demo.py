@@ -136,26 +136,35 @@ def weights_digest(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+CODE_SOURCES = (
+    "tools/training/train_demo.py",
+    "tools/training/train_data.py",
+    "tools/training/train_fast.py",
+    "vismmoe_edge/evaluation/shapes_vqa.py",
+)
+
+
 def code_digest() -> str:
     """The training code and data generator this run used (the device copy of the tree has no git history)."""
     h = hashlib.sha256()
-    sources = (
-        "tools/training/train_demo.py",
-        "tools/training/train_data.py",
-        "tools/training/train_fast.py",
-        "vismmoe_edge/evaluation/shapes_vqa.py",
-    )
-    for rel in sources:
+    for rel in CODE_SOURCES:
         h.update((ROOT / rel).read_bytes())
     return h.hexdigest()[:16]
 
 
 def git_commit() -> str | None:
+    """HEAD, marked when the training sources differ from it: the device's copy of the tree can carry a .git that
+    is older than its files (run 2 recorded 08b6ade while training code of 2139638), so only the code digest is
+    authoritative."""
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        diff = subprocess.run(
+            ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", *CODE_SOURCES], capture_output=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = head.stdout.strip()
+    return None if not commit else commit if diff.returncode == 0 else f"{commit} + uncommitted changes"
 
 
 def load_init(init: str, device: torch.device) -> tuple[Any, Any, dict[str, Any]]:
