@@ -13,7 +13,7 @@ from vismmoe_edge.hardware import cgroup
 from vismmoe_edge.hardware.cgroup import read_cgroup_memory, startup_refusal
 from vismmoe_edge.hardware.profiles import get_profile
 from vismmoe_edge.options import check_fixed_budget
-from vismmoe_edge.plan import make_plan
+from vismmoe_edge.planning.plan import make_plan
 
 MIB = 1 << 20
 NANO = "orin-nano-8gb-super--maxn-super"

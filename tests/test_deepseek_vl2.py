@@ -268,7 +268,7 @@ def test_chat_format_is_deepseeks(ckpts) -> None:
 
 # ---- info, errors ------------------------------------------------------------------------------------------
 def test_info_reports_shared_experts_in_the_resident_region(ckpts) -> None:
-    from vismmoe_edge.describe import describe_checkpoint, format_description
+    from vismmoe_edge.planning.describe import describe_checkpoint, format_description
 
     d = describe_checkpoint(ckpts["small"], "25%")
     assert d["architecture"] == "DeepseekVLV2ForCausalLM" and d["expert_layout"] == "per_expert"

@@ -17,6 +17,7 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 
 from vismmoe_edge import demo
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.evaluation import sample
 from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
 from vismmoe_edge.testing import tiny_qwen3_vl_moe as tiny
 from vismmoe_edge.testing.tiny_qwen3_vl_moe import SPECIAL_TOKENS, build_offline_processor
@@ -221,12 +222,12 @@ def test_ensure_random_demo_model_is_idempotent(demo_cache: Path, monkeypatch) -
 
 def test_sample_image_is_deterministic(demo_cache: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
-    path = demo.ensure_sample_image()
-    assert demo.ensure_sample_image() == path
-    scene = demo.sample_example().scene
+    path = sample.ensure_sample_image()
+    assert sample.ensure_sample_image() == path
+    scene = sample.sample_example().scene
     assert Image.open(path).size == (scene.width, scene.height)
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(tmp_path))
-    assert demo.ensure_sample_image().read_bytes() == path.read_bytes()
+    assert sample.ensure_sample_image().read_bytes() == path.read_bytes()
 
 
 def test_shipped_demo_model_answers_the_sample_question_as_transformers_does(demo_cache: Path, monkeypatch) -> None:
@@ -235,12 +236,12 @@ def test_shipped_demo_model_answers_the_sample_question_as_transformers_does(dem
     monkeypatch.setenv("VISMMOE_EDGE_CACHE", str(demo_cache))
     model_dir = demo.ensure_demo_model()
     assert model_dir == demo.TRAINED_DEMO_DIR
-    scene = demo.sample_example().scene
+    scene = sample.sample_example().scene
     circles = [obj for obj in scene.objects if obj.shape == "circle"]
     assert len(circles) == 1  # the question has one right answer, read off the scene itself
     answer = circles[0].color
     proc = subprocess.run(
-        [sys.executable, "-m", "vismmoe_edge.cli", "run", "--prompt", demo.SAMPLE_QUESTION, "--max-new-tokens", "6"],
+        [sys.executable, "-m", "vismmoe_edge.cli", "run", "--prompt", sample.SAMPLE_QUESTION, "--max-new-tokens", "6"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "VISMMOE_EDGE_CACHE": str(demo_cache)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -250,7 +251,7 @@ def test_shipped_demo_model_answers_the_sample_question_as_transformers_does(dem
     processor = load_processor(model_dir)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     inputs = processor.apply_chat_template(
-        _chat(Image.open(demo.ensure_sample_image()), demo.SAMPLE_QUESTION),
+        _chat(Image.open(sample.ensure_sample_image()), sample.SAMPLE_QUESTION),
         add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
     )  # fmt: skip
     out = model.generate(**inputs, max_new_tokens=6, do_sample=False)

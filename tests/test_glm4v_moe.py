@@ -224,7 +224,7 @@ def test_compression_is_accepted_for_glm_and_refused_where_ops_say_no(glm_dir) -
 
 
 def test_info_reports_shared_experts_and_dense_layers(glm_dir) -> None:
-    from vismmoe_edge.describe import describe_checkpoint, format_description
+    from vismmoe_edge.planning.describe import describe_checkpoint, format_description
 
     d = describe_checkpoint(glm_dir, "25%")
     hidden, inter, dense_inter = 128, 48, 3 * 128

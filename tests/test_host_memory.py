@@ -8,8 +8,8 @@ import torch
 
 from tests.fake_cudart import FakeRuntime
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts import host_memory
-from vismmoe_edge.experts.host_memory import HostMemory
+from vismmoe_edge.experts.tiers import host_memory
+from vismmoe_edge.experts.tiers.host_memory import HostMemory
 from vismmoe_edge.hardware import cudart
 
 MAPPED = cudart.REGISTER_PORTABLE | cudart.REGISTER_MAPPED

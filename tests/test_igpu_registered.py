@@ -14,16 +14,17 @@ import vismmoe_edge
 from tests.fake_cudart import FakeRuntime
 from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
-from vismmoe_edge.experts import igpu, pagecache
-from vismmoe_edge.experts.igpu_registered import (
+from vismmoe_edge.experts import pagecache
+from vismmoe_edge.experts.page_ranges import PAGE_SIZE
+from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+from vismmoe_edge.experts.tiers import igpu_registered
+from vismmoe_edge.experts.tiers.igpu_registered import (
     RegistrationRefused,
     SegmentRegistry,
     UnifiedRegisteredTier,
     mapping_anonymous_bytes,
     segments,
 )
-from vismmoe_edge.experts.page_ranges import PAGE_SIZE
-from vismmoe_edge.experts.store import ExpertStore, ShardFiles
 from vismmoe_edge.hardware import cudart
 from vismmoe_edge.hardware.gpu_access import REGISTERED_TIER, SLOTS_TIER, igpu_tier, simulated_integrated
 from vismmoe_edge.sampling import SamplingConfig
@@ -95,7 +96,7 @@ def test_an_evicted_range_is_unregistered_and_leaves_the_page_cache(cold_checkpo
 
 def test_the_registered_tier_gives_the_host_tiers_tokens(checkpoints, images, monkeypatch):
     rt = FakeRuntime()
-    monkeypatch.setattr(igpu, "make_unified_tier", lambda name, store, slots, pinned=0: UnifiedRegisteredTier(
+    monkeypatch.setattr(igpu_registered, "make", lambda store, slots, pinned=0, mirror=None: UnifiedRegisteredTier(
         store, slots, runtime=rt, pinned=pinned))  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
     tokens = {}

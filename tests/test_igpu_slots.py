@@ -15,11 +15,12 @@ import vismmoe_edge
 from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts import pagecache, slot_fill
-from vismmoe_edge.experts.igpu_slots import UnifiedSlotTier
+from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
-from vismmoe_edge.experts.slot_fill import DirectAlignment, Read, SlotFiller, split
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+from vismmoe_edge.experts.tiers import slot_fill
+from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
+from vismmoe_edge.experts.tiers.slot_fill import DirectAlignment, Read, SlotFiller, split
 from vismmoe_edge.sampling import SamplingConfig
 
 

@@ -155,7 +155,7 @@ def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
 
 def test_profile_on_the_demo_model_writes_csvs_summary_and_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from vismmoe_edge.demo import ensure_sample_image
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
 
     image = ensure_sample_image()
     prompts = tmp_path / "prompts.jsonl"

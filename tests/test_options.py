@@ -11,10 +11,10 @@ import pytest
 from vismmoe_edge import checkpoint_info
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.describe import describe_checkpoint
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
-from vismmoe_edge.memory_plan import runtime_parts
 from vismmoe_edge.options import LoadOptions, load_engine, resolve
+from vismmoe_edge.planning.describe import describe_checkpoint
+from vismmoe_edge.planning.memory_plan import runtime_parts
 
 GIB = 1 << 30
 NANO = "orin-nano-8gb-super--maxn-super"  # l_semantic 3, c_safe 1 GiB, prefetch depth 2, unified memory

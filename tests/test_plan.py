@@ -10,11 +10,11 @@ import typer
 
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.cli.plan import plan_command
-from vismmoe_edge.describe import describe_checkpoint
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware.profiles import get_profile
-from vismmoe_edge.memory_plan import runtime_parts
-from vismmoe_edge.plan import format_plan, make_plan
+from vismmoe_edge.planning.describe import describe_checkpoint
+from vismmoe_edge.planning.memory_plan import runtime_parts
+from vismmoe_edge.planning.plan import format_plan, make_plan
 
 BOARDS = Path(__file__).parent / "fixtures" / "boards"
 NANO = "orin-nano-8gb-super--maxn-super"  # l_semantic 3, c_safe 1 GiB, prefetch 2, unified

@@ -16,7 +16,7 @@ from vismmoe_edge.hardware import doctor, gpu_access, system
 from vismmoe_edge.hardware.gpu_access import SLOTS_TIER, simulated_integrated
 from vismmoe_edge.hardware.profiles import get_profile, select_profile
 from vismmoe_edge.options import LoadOptions, resolve
-from vismmoe_edge.plan import format_plan, make_plan
+from vismmoe_edge.planning.plan import format_plan, make_plan
 
 BOARDS = Path(__file__).parent / "fixtures" / "boards"
 JETSONS = ["agx-orin-64gb-jp6", "orin-nano-8gb-super-jp6", "orin-nx-16gb-jp5", "orin-nano-8gb-super-7w-jp62"]
@@ -56,7 +56,7 @@ def test_a_device_that_cannot_map_host_memory_stays_on_the_cpu(tiny):
 
 
 def test_registration_as_default_falls_back_where_refused(tiny, monkeypatch):
-    import vismmoe_edge.plan as plan_module
+    import vismmoe_edge.planning.plan as plan_module
 
     real = gpu_access.igpu_tier  # as if the measurement had made registration the default
     monkeypatch.setattr(plan_module, "igpu_tier", lambda access: real(access, gpu_access.REGISTERED_TIER))

@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.checkpoint import read_tensor_table
+from vismmoe_edge.conversion import quantize_checkpoint, read_quantized_catalogue
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.quant.catalogue import quantized_expert_ranges, read_quantized_catalogue
+from vismmoe_edge.quant.catalogue import quantized_expert_ranges
 from vismmoe_edge.quant.config import make_config, parse_quant_config, read_quant_config
-from vismmoe_edge.quant.convert import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")

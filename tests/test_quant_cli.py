@@ -120,7 +120,7 @@ def test_a_dense_expert_left_in_a_quantized_checkpoint_is_one_line(copy: Path, s
 def test_the_planner_counts_quantized_bytes(quantized: Path, source: Path) -> None:
     """S_e and S_layer are the records' bytes: the same memory holds ~4x the int4 experts it holds in fp32."""
     from vismmoe_edge.hardware.profiles import get_profile
-    from vismmoe_edge.plan import make_plan
+    from vismmoe_edge.planning.plan import make_plan
 
     q = make_plan(quantized, get_profile("orin-nano-8gb-super--maxn-super"), mem_available=10**9, c_safe=0)
     dense = make_plan(source, get_profile("orin-nano-8gb-super--maxn-super"), mem_available=10**9, c_safe=0)

@@ -23,12 +23,11 @@ from tests.quant_sources import (
     write_fp8,
 )
 from vismmoe_edge.checkpoint import read_tensor_table
+from vismmoe_edge.conversion import quantize_checkpoint, read_quantized_catalogue
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.registry import model_family
 from vismmoe_edge.quant import convert
-from vismmoe_edge.quant.catalogue import read_quantized_catalogue
-from vismmoe_edge.quant.convert import quantize_checkpoint
 from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
 from vismmoe_edge.quant.quantize import quantize_int4, quantize_int8
 
@@ -305,7 +304,8 @@ def die(path, units, bar):
     real(path, units, bar)
     os.kill(os.getpid(), signal.SIGKILL)
 convert._write_shard = die
-convert.quantize_checkpoint({str(qwen["v5"])!r}, {str(tmp_path / "out")!r}, 4, progress=False, max_shard_size="300KB")
+from vismmoe_edge.conversion import quantize_checkpoint
+quantize_checkpoint({str(qwen["v5"])!r}, {str(tmp_path / "out")!r}, 4, progress=False, max_shard_size="300KB")
 """
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
@@ -330,13 +330,3 @@ def test_shards_respect_the_size_limit(qwen: dict[str, Path], tmp_path: Path) ->
         data = sum(t.nbytes for t in table.values() if t.shard == shard)
         biggest = max(t.nbytes for t in table.values() if t.shard == shard)
         assert data <= max(250_000, biggest, record)
-
-
-def test_command_line(qwen: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from vismmoe_edge.quant.__main__ import main
-
-    assert main([str(qwen["v5"]), str(tmp_path / "q"), "--bits", "8", "--no-progress"]) == 0
-    assert "int8, group per-channel" in capsys.readouterr().out
-    assert main([str(qwen["v5"]), str(tmp_path / "q"), "--bits", "4", "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1

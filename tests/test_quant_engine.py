@@ -20,8 +20,7 @@ import vismmoe_edge
 from tests.hf_reference import assert_matches, hf_references
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.quant.convert import quantize_checkpoint
-from vismmoe_edge.quant.dequantize import dequantize_checkpoint
+from vismmoe_edge.conversion import dequantize_checkpoint, quantize_checkpoint
 from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, cpu_kernel_ok
 from vismmoe_edge.quant.packing import native_cpu_layout
 
@@ -150,7 +149,7 @@ def test_mmap_tier_and_the_pinned_prefix_outside_a_pool(quantized, references) -
 
 def test_the_cuda_form_is_tinygemm_for_kernel_widths(quantized) -> None:
     """What a GPU slot will hold (built there at fetch): tinygemm tiles for both matrices; decided on the CPU."""
-    from vismmoe_edge.quant.catalogue import read_quantized_catalogue
+    from vismmoe_edge.conversion import read_quantized_catalogue
     from vismmoe_edge.quant.slot_form import SlotForm, tinygemm_shape
 
     spec = read_quantized_catalogue(quantized["int4-v5"]).spec

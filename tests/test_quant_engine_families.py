@@ -19,8 +19,7 @@ from transformers import DeepseekV2ForCausalLM, Glm4vMoeForConditionalGeneration
 import vismmoe_edge
 from tests.hf_reference import LOGIT_ATOL, NEW_TOKENS, assert_matches, hf_references
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
-from vismmoe_edge.quant.convert import quantize_checkpoint
-from vismmoe_edge.quant.dequantize import dequantize_checkpoint
+from vismmoe_edge.conversion import dequantize_checkpoint, quantize_checkpoint
 from vismmoe_edge.sampling import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

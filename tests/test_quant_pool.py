@@ -1,7 +1,7 @@
-"""The quantized slot pool's compute (quant/pool.py, quant/slot_form.py) on the CPU: the graph-replayable gather path,
-the in-place path and prefill all equal F.linear on the dequantized weights; the gather path reads no slot id on
-the host (what a CUDA graph needs, checked on fake tensors); slots rebuilt in place from
-another layout compute the same; a wrong layout is caught by these tolerances by orders of magnitude."""
+"""The quantized slot pool's compute (experts/quant_pool.py, quant/slot_form.py) on the CPU: the graph-replayable
+gather path, the in-place path and prefill all equal F.linear on the dequantized weights; the gather path reads no
+slot id on the host (what a CUDA graph needs, checked on fake tensors); slots rebuilt in place from another layout
+compute the same; a wrong layout is caught by these tolerances by orders of magnitude."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from vismmoe_edge.experts.quant_pool import _int8_batched, decode_quantized, prefill_quantized
 from vismmoe_edge.quant.config import make_config
 from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
-from vismmoe_edge.quant.pool import _int8_batched, decode_quantized, prefill_quantized
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert
 from vismmoe_edge.quant.slot_form import SlotForm
 

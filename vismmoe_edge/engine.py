@@ -256,8 +256,9 @@ class Engine:
                 if i == cut_at:
                     start = time.perf_counter()
                     done = cut_visual_tokens(
-                        self.compression, self.ops, self.model, hidden, positions, cache, visual_mask, deepstack,
-                        grid, saliency, prefix_routes, self.catalogue.moe_layers[: self.pinned_layers], i,
+                        self.compression, self.ops.visual_token_counts(self.model, grid),
+                        self.ops.droppable_tokens(self.model, grid), hidden, positions, cache, visual_mask,
+                        deepstack, saliency, prefix_routes, self.catalogue.moe_layers[: self.pinned_layers], i,
                     )  # fmt: skip
                     hidden, positions, deepstack = done.hidden, done.positions, done.deepstack
                     visual_mask = done.visual_mask

@@ -14,6 +14,7 @@ from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+from vismmoe_edge.experts.tiers.registry import AUTO, tier_kind
 from vismmoe_edge.units import format_bytes
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from vismmoe_edge.engine import Engine
     from vismmoe_edge.hardware.gpu_access import GpuAccess
     from vismmoe_edge.hardware.profiles import Profile
-    from vismmoe_edge.plan import Plan
+    from vismmoe_edge.planning.plan import Plan
 
 
 
@@ -83,7 +84,7 @@ def resolve(
         host, _ = resolve_host_tier(o, checkpoint, o.tier, o.pinned_layers, mem_available)
         return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth, host, device=o.device)
     from vismmoe_edge.hardware.profiles import select_profile
-    from vismmoe_edge.plan import make_plan
+    from vismmoe_edge.planning.plan import make_plan
 
     chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
     gpu, here, gpu_note = plan_gpu(o.device, chosen, named=o.profile != "auto")
@@ -102,8 +103,9 @@ def resolve(
     pinned = plan.pinned_layers if pinned is None else pinned
     device = plan.device if o.device == "auto" and here else o.device
     tier = plan.tier if o.tier == "auto" else o.tier
-    if tier.startswith("unified-") and o.tier == "auto" and not here:
-        tier = "unified"  # planned for a board's iGPU, loaded where torch has no CUDA: the CPU page-cache tier
+    fallback = tier_kind(tier).without_cuda
+    if fallback is not None and o.tier == "auto" and not here:
+        tier = fallback  # planned for a board's iGPU, loaded where torch has no CUDA: the CPU page-cache tier
     depth = plan.prefetch_depth if depth is None else depth
     host, why = resolve_host_tier(o, checkpoint, tier, pinned, mem_available)
     if why:
@@ -121,7 +123,8 @@ def resolve_host_tier(
     options: LoadOptions, checkpoint: CheckpointInfo, tier: str, pinned_layers: int, mem_available: int | None
 ) -> tuple[bool, str]:
     """The pinned host tier serves GPU slot pools only; "auto" takes it where every streamed expert fits."""
-    if options.host_tier == "off" or tier not in ("gpu", "auto") or options.device == "cpu":
+    in_gpu_memory = tier == AUTO or tier_kind(tier).memory == "device"
+    if options.host_tier == "off" or not in_gpu_memory or options.device == "cpu":
         return False, ""
     if options.host_tier == "on":
         return True, "host tier: asked for (--host-tier on)"
@@ -130,7 +133,7 @@ def resolve_host_tier(
     if not torch.cuda.is_available():
         return False, ""
     from vismmoe_edge.hardware import system
-    from vismmoe_edge.plan import host_tier_decision
+    from vismmoe_edge.planning.plan import host_tier_decision
 
     catalogue = checkpoint.catalogue
     streamed = len(catalogue.moe_layers[pinned_layers:]) * catalogue.num_experts * catalogue.expert_bytes
@@ -158,10 +161,10 @@ def check_fixed_budget(memory_budget: str, tier: str, checkpoint: CheckpointInfo
     """Refuse, with one line, a --memory-budget that the memory cgroup cannot hold next to the model's other parts:
     past the cgroup's limit the kernel OOM-kills without a word. Tiers that keep experts in GPU memory or leave
     them to the kernel (gpu, mmap) are not checked."""
-    if tier in ("gpu", "mmap", "auto"):
+    if tier == AUTO or tier_kind(tier).memory != "host":
         return
     from vismmoe_edge.hardware.cgroup import read_cgroup_memory
-    from vismmoe_edge.memory_plan import runtime_parts
+    from vismmoe_edge.planning.memory_plan import runtime_parts
 
     group = read_cgroup_memory(root)
     headroom = None if group is None else group.headroom_bytes
@@ -169,7 +172,7 @@ def check_fixed_budget(memory_budget: str, tier: str, checkpoint: CheckpointInfo
         return
     total = checkpoint.catalogue.total_bytes
     budget = parse_budget(memory_budget, total)
-    others = runtime_parts(checkpoint, device="cuda" if tier.startswith("unified-") else "cpu").total_bytes
+    others = runtime_parts(checkpoint, device="cuda" if tier_kind(tier).integrated_gpu else "cpu").total_bytes
     if budget + others > headroom:
         raise VismmoeError(
             f"--memory-budget {memory_budget} ({format_bytes(budget)}) and the model's other parts "

@@ -20,8 +20,10 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import vismmoe_edge  # noqa: E402
 from tests.hf_reference import assert_matches, hf_references  # noqa: E402
-from vismmoe_edge.quant.convert import quantize_checkpoint  # noqa: E402
-from vismmoe_edge.quant.dequantize import dequantize_checkpoint  # noqa: E402
+from vismmoe_edge.conversion import (
+    dequantize_checkpoint,  # noqa: E402
+    quantize_checkpoint,  # noqa: E402
+)
 
 
 def images(root: Path) -> list[Path]:

@@ -450,7 +450,7 @@ def main() -> None:
     make_image(image)
     if args.build_only:
         return
-    from vismmoe_edge.describe import describe_checkpoint
+    from vismmoe_edge.planning.describe import describe_checkpoint
 
     info = describe_checkpoint(model_dir)
     resident = info["resident_bytes"]

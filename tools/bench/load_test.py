@@ -103,7 +103,7 @@ def sample_image_url() -> str:
     import base64
 
     sys.path.insert(0, str(REPO))
-    from vismmoe_edge.demo import ensure_sample_image
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
 
     return "data:image/png;base64," + base64.b64encode(ensure_sample_image().read_bytes()).decode()
 

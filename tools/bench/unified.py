@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     import vismmoe_edge
-    from vismmoe_edge.describe import describe_checkpoint
+    from vismmoe_edge.planning.describe import describe_checkpoint
     from vismmoe_edge.prompt import PromptInputs
     from vismmoe_edge.sampling import SamplingConfig
 

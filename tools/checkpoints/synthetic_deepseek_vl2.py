@@ -265,7 +265,7 @@ def build_synthetic_deepseek_vl2(
 
 def validate_checkpoint(model_dir: str | Path) -> dict[str, object]:
     """Parse every shard header against the index, then read the directory as `vismmoe-edge info` does."""
-    from vismmoe_edge.describe import describe_checkpoint
+    from vismmoe_edge.planning.describe import describe_checkpoint
 
     model_dir = Path(model_dir)
     shards, seen, total = msc.check_shards(model_dir)

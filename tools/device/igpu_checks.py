@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU checks of the integrated-GPU tiers (experts/igpu_slots.py, experts/igpu_registered.py), one JSON summary.
+"""GPU checks of the integrated-GPU tiers (experts/tiers/igpu_slots.py, igpu_registered.py), one JSON summary.
 
     python3 tools/device/igpu_checks.py --out $OUT/igpu.json              # ~2 min on an H200
     python3 tools/device/igpu_checks.py --out $OUT/igpu.json --bench      # + the 30B-geometry benchmark (~3 min
@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs  # noqa: E402
 from tools.device.checks import Checks  # noqa: E402
-from vismmoe_edge.experts import pagecache, slot_fill  # noqa: E402
+from vismmoe_edge.experts import pagecache  # noqa: E402
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE  # noqa: E402
+from vismmoe_edge.experts.tiers import slot_fill  # noqa: E402
 from vismmoe_edge.hardware import cudart, gpu_access  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -74,7 +75,7 @@ def check_device() -> dict[str, Any]:
 
 
 def check_host_memory() -> dict[str, Any]:
-    from vismmoe_edge.experts.host_memory import HostMemory
+    from vismmoe_edge.experts.tiers.host_memory import HostMemory
 
     rt = cudart.runtime()
     n, k = 1536, 2048  # one Qwen3-VL-30B-A3B gate_up matrix
@@ -112,8 +113,8 @@ def _host_alloc(rt: cudart.CudaRuntime, nbytes: int) -> _Alloc:
 
 
 def check_registration(tmp: Path) -> dict[str, Any]:
-    from vismmoe_edge.experts.host_memory import DeviceArray
-    from vismmoe_edge.experts.igpu_registered import SegmentRegistry, mapping_anonymous_bytes, segments
+    from vismmoe_edge.experts.tiers.host_memory import DeviceArray
+    from vismmoe_edge.experts.tiers.igpu_registered import SegmentRegistry, mapping_anonymous_bytes, segments
 
     path = tmp / "shard.bin"
     data = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8)
@@ -159,8 +160,8 @@ def check_registration(tmp: Path) -> dict[str, Any]:
 def check_slot_bytes(model_dir: Path) -> dict[str, Any]:
     from vismmoe_edge.checkpoint import TORCH_DTYPES
     from vismmoe_edge.checkpoint_info import inspect_checkpoint
-    from vismmoe_edge.experts.igpu_slots import UnifiedSlotTier
     from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+    from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
 
     writes: list[tuple[int, int]] = []
 

@@ -6,7 +6,7 @@
 What it checks (each one on its own; a failure is recorded and the run goes on; exit status 1 if any failed):
 - slot form: a 30B-A3B int4 record (CPU tiles or row-major on disk) DMA'd into a GPU slot and rebuilt there into
   tinygemm's tiles (quant/slot_form.py) computes what the dequantized weights compute;
-- pool decode (k = 8 of 32 slots, 30B shapes): the gather path (quant/pool.py) against the dequantized weights,
+- pool decode (k = 8 of 32 slots, 30B shapes): the gather path (experts/quant_pool.py) against the dequantized weights,
   int4 and int8 (both int8 paths); the same captured in a CUDA graph and replayed with other slot ids;
 - pool prefill (T = 64): the same kernels per slot;
 - fetch paths of QuantSlotPoolTier on a tiny quantized checkpoint: from the pinned host mirror and from pinned
@@ -39,11 +39,11 @@ from quant_checks import cuda_median_us, environment, rel_err  # noqa: E402
 
 from tools.device.checks import Checks  # noqa: E402
 from vismmoe_edge.experts.pool_compute import decode_experts, prefill_experts  # noqa: E402
+from vismmoe_edge.experts.quant_pool import decode_quantized, prefill_quantized  # noqa: E402
 from vismmoe_edge.quant import kernels  # noqa: E402
 from vismmoe_edge.quant.config import make_config  # noqa: E402
 from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, dequantize_expert, expert_forward, expert_views  # noqa: E402
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout  # noqa: E402
-from vismmoe_edge.quant.pool import decode_quantized, prefill_quantized  # noqa: E402
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert  # noqa: E402
 from vismmoe_edge.quant.slot_form import SlotForm  # noqa: E402
 
@@ -148,8 +148,7 @@ def check_pool_prefill(bits: int) -> dict[str, Any]:
 
 def tiny_checkpoints(root: Path) -> dict[str, Path]:
     """A tiny bf16 Qwen3-VL-MoE whose widths the int4 kernels take (group 32), int4 and int8 copies, dequantized."""
-    from vismmoe_edge.quant.convert import quantize_checkpoint
-    from vismmoe_edge.quant.dequantize import dequantize_checkpoint
+    from vismmoe_edge.conversion import dequantize_checkpoint, quantize_checkpoint
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
     if (root / "int8-deq" / "config.json").exists():
@@ -165,9 +164,9 @@ def tiny_checkpoints(root: Path) -> dict[str, Path]:
 
 def check_fetch_paths(root: Path) -> dict[str, Any]:
     from vismmoe_edge.checkpoint_info import inspect_checkpoint
-    from vismmoe_edge.experts.host_tier import HostMirror
-    from vismmoe_edge.experts.quant_slots import QuantSlotPoolTier
     from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+    from vismmoe_edge.experts.tiers.host_mirror import HostMirror
+    from vismmoe_edge.experts.tiers.quant_slots import QuantSlotPoolTier
 
     info = inspect_checkpoint(tiny_checkpoints(root)["int4"])
     catalogue = info.catalogue

@@ -54,7 +54,7 @@ def bench_command(
     try:
         images = list(image or [])
         if model is None and not images:
-            from vismmoe_edge.demo import ensure_sample_image
+            from vismmoe_edge.evaluation.sample import ensure_sample_image
 
             images = [ensure_sample_image()]
         options = load_options(locals())

@@ -21,7 +21,7 @@ def info(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Describe a checkpoint: its MoE shape, resident and expert bytes, and which pinned depths fit a budget."""
-    from vismmoe_edge.describe import describe_checkpoint, format_description
+    from vismmoe_edge.planning.describe import describe_checkpoint, format_description
 
     try:
         description = describe_checkpoint(model_dir if model_dir is not None else demo_model(), memory_budget)

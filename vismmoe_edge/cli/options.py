@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from vismmoe_edge.experts.tiers.registry import tier_help
+
 ModelOpt = Annotated[
     Path | None, typer.Option("--model", help="Hugging Face model directory; omit to use the built-in demo model")
 ]
@@ -31,8 +33,7 @@ TierOpt = Annotated[
     str,
     typer.Option(
         "--tier",
-        help="cache: auto (the plan's), host (RAM), gpu (CUDA memory), unified (CPU: the page cache; CUDA: pinned "
-        "slots the GPU reads in place), unified-slots, unified-registered (CUDA: registered shard pages), mmap",
+        help=tier_help(),
     ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")]

@@ -31,7 +31,7 @@ def plan_command(
     memory each part takes; say why."""
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.options import plan_gpu
-    from vismmoe_edge.plan import GIB, format_plan, make_plan
+    from vismmoe_edge.planning.plan import GIB, format_plan, make_plan
 
     try:
         chosen, reason, profile_warnings = select_profile(profile, cuda_available=False if device == "cpu" else None)

@@ -32,8 +32,7 @@ def quantize_command(
     attention, routers, shared experts and embeddings keep their dtype. Memory stays at one tensor at a time."""
     if bits not in (4, 8):
         raise fail(f"--bits {bits}: use 4 or 8")
-    from vismmoe_edge.quant.catalogue import read_quantized_catalogue
-    from vismmoe_edge.quant.convert import quantize_checkpoint
+    from vismmoe_edge.conversion import quantize_checkpoint, read_quantized_catalogue
     from vismmoe_edge.units import format_bytes
 
     try:

@@ -77,7 +77,7 @@ def run(
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
         images: list[Path] = list(image or [])
         if model is None:
-            from vismmoe_edge.demo import ensure_sample_image
+            from vismmoe_edge.evaluation.sample import ensure_sample_image
 
             typer.echo(
                 "note: no --model given: using the built-in demo model, a 10 M-parameter VL-MoE trained on "

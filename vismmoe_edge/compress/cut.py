@@ -5,7 +5,8 @@ sequence state (hidden states, positions, the prefix KV cache, DeepStack feature
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -18,7 +19,21 @@ from vismmoe_edge.compress.prune import (
     merge_groups,
     select_per_image,
 )
-from vismmoe_edge.models.ops import PrefillOps, SaliencyCapture
+
+
+class SaliencyCapture(Protocol):
+    """Installed around the vision forward (a context manager); then one score per droppable visual token. Each
+    model family's prefill ops make one (models/ops.py)."""
+
+    def __enter__(self) -> SaliencyCapture: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    def per_image(self) -> list[torch.Tensor]:
+        """Per image, in [0, 1], over the tokens `droppable_tokens` lists (same order)."""
+        ...
 
 
 @dataclass
@@ -41,26 +56,23 @@ def _with_fixed_tokens(chosen: torch.Tensor, droppable: torch.Tensor, n: int) ->
 
 def cut_visual_tokens(
     config: CompressionConfig,
-    ops: PrefillOps,
-    model: Any,
+    tokens_per_image: list[int],
+    droppable: list[torch.Tensor],
     hidden: torch.Tensor,
     positions: torch.Tensor,
     cache: DynamicCache,
     visual_mask: torch.Tensor,
     deepstack: list[torch.Tensor],
-    grid: torch.Tensor,
     saliency: SaliencyCapture | None,
     prefix_routes: dict[int, torch.Tensor],
     prefix_layers: list[int],
     cut_at: int,
 ) -> CutResult:
     """Choose each image's kept visual tokens and cut hidden states, positions, the prefix KV cache and the
-    DeepStack features still to come, all by the same rows. Selection runs over each image's droppable
-    tokens only (the family's ops say which: all for Qwen and GLM; patch tokens for DeepSeek-VL2).
+    DeepStack features still to come, all by the same rows. Selection runs over each image's `droppable` tokens
+    only (per image, ascending indices into its `tokens_per_image` visual tokens; the family's ops say which).
 
     `prefix_routes`: the pinned prefix layers' routed expert ids [S, k] by layer (what affinity keeps by)."""
-    tokens_per_image = ops.visual_token_counts(model, grid)
-    droppable = ops.droppable_tokens(model, grid)  # per image, indices into its visual tokens
     report = CompressionReport(method=config.method, visual_tokens=sum(tokens_per_image))
     seq_mask = visual_mask[0]
     visual_rows = seq_mask.nonzero().flatten()

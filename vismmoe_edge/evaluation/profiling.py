@@ -48,7 +48,7 @@ class Request:
 
 
 def default_requests() -> list[Request]:
-    from vismmoe_edge.demo import ensure_sample_image
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
 
     image = ensure_sample_image()
     return [Request(prompt, [image]) for prompt in DEFAULT_PROMPTS]

@@ -12,9 +12,9 @@ from torch import nn
 
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
 from vismmoe_edge.experts.pool_compute import decode_experts, expert_mlp, grouped_mm_works, prefill_experts
+from vismmoe_edge.experts.quant_pool import pool_forward
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
-from vismmoe_edge.quant.pool import pool_forward
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
 
@@ -109,7 +109,7 @@ class OffloadedExperts(nn.Module):
         """x [T, H], slots [T, k] (on the pool's device), weights [T, k] -> [T, H]. Device ops only when T == 1,
         so a CUDA graph can replay it."""
         pool = self.runtime.pipeline.tier.pool
-        if getattr(pool, "form", None) is not None:  # quantized records (experts/quant_slots.py)
+        if getattr(pool, "form", None) is not None:  # quantized records (experts/tiers/quant_slots.py)
             return pool_forward(x, slots, weights, pool.records, pool.form, self.act_fn)
         if x.shape[0] == 1:
             return decode_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn)

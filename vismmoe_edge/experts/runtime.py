@@ -6,14 +6,13 @@ from tqdm.auto import tqdm
 
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
-from vismmoe_edge.experts.host_tier import HostMirror
-from vismmoe_edge.experts.pipeline import ExpertPipeline, Tier
+from vismmoe_edge.experts.pipeline import ExpertPipeline
 from vismmoe_edge.experts.predictor_worker import PredictorWorker
-from vismmoe_edge.experts.slots import SlotPoolTier
 from vismmoe_edge.experts.store import ExpertStore
+from vismmoe_edge.experts.tiers.host_mirror import HostMirror
+from vismmoe_edge.experts.tiers.registry import resolve_auto, tier_kind
 from vismmoe_edge.units import format_bytes
 
-TIERS = ("auto", "host", "gpu", "unified", "mmap", "unified-slots", "unified-registered")
 # Layers of top-k experts that predictions may have in flight when no plan set a depth: two, the bound peers
 # found before speculative bytes start to slow demand misses (peers.md 6.3).
 DEFAULT_PREFETCH_DEPTH = 2
@@ -33,6 +32,7 @@ def build_runtime(
 
     `host_tier` (CUDA slot pools): mirror every streamed expert in pinned host memory, filled now, so that a miss
     is one DMA; the planner asks for it where host RAM holds them all."""
+    kind = tier_kind(resolve_auto(tier, store.device.type))
     per_expert = store.expert_nbytes()
     num_experts = store.catalogue.num_experts
     pinned_bytes = len(pinned_layers) * num_experts * per_expert
@@ -43,7 +43,7 @@ def build_runtime(
         )
     streamed = [layer for layer in store.catalogue.moe_layers if layer not in pinned_layers]
     slots = min((budget_bytes - pinned_bytes) // per_expert, len(streamed) * num_experts)
-    if tier == "mmap":  # the kernel decides what stays: no slots to bound
+    if kind.memory == "kernel":  # the kernel decides what stays: no slots to bound
         slots = max(len(streamed) * num_experts, 1)
     if streamed and slots < 1:
         raise VismmoeError(
@@ -52,10 +52,10 @@ def build_runtime(
         )
     keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
     mirror = None
-    if host_tier and store.device.type == "cuda" and tier in ("auto", "gpu"):
+    if host_tier and store.device.type == "cuda" and kind.memory == "device":
         mirror = HostMirror(store.catalogue, [(layer, e) for layer in streamed for e in range(num_experts)])
         mirror.fill()
-    tier_impl = make_tier(tier, store, max(slots, 1), pinned=len(keys), mirror=mirror)
+    tier_impl = kind.build(store, max(slots, 1), pinned=len(keys), mirror=mirror)
     lock_report = None
     pin = getattr(tier_impl, "pin", None)
     if pin is not None:  # the slot pool's own slots; unified memory: the page cache, mlocked where allowed
@@ -77,31 +77,6 @@ def build_runtime(
         policy=policy,
     )
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
-
-
-def make_tier(
-    name: str, store: ExpertStore, slots: int, *, pinned: int = 0, mirror: HostMirror | None = None
-) -> Tier:
-    if name not in TIERS:
-        raise VismmoeError(f"--tier {name!r}: use one of {', '.join(TIERS)}")
-    on_gpu = store.device.type == "cuda"
-    if name == "gpu" and not on_gpu:
-        raise VismmoeError("--tier gpu needs --device cuda")
-    if name.startswith("unified") and (on_gpu or name != "unified"):  # the integrated-GPU tiers (igpu.py)
-        from vismmoe_edge.experts.igpu import make_unified_tier
-
-        return make_unified_tier(name, store, slots, pinned=pinned)
-    if name in ("unified", "mmap"):
-        if on_gpu:
-            raise VismmoeError(f"--tier {name} serves experts to the CPU; use --device cpu (or --tier gpu)")
-        from vismmoe_edge.experts.unified import MmapTier, UnifiedTier
-
-        return UnifiedTier(store, slots) if name == "unified" else MmapTier(store, slots)
-    if store.catalogue.quant is not None:  # int4/int8 records, computed by torch's quantized kernels
-        from vismmoe_edge.experts.quant_slots import QuantSlotPoolTier
-
-        return QuantSlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
-    return SlotPoolTier(store, slots, store.device, store.dtype, pinned=pinned, mirror=mirror)
 
 
 def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None, *, background: bool = True) -> None:

@@ -133,7 +133,7 @@ def probe_quietly(index: int = 0) -> GpuAccess | None:
         return None
 
 
-# The two integrated-GPU tiers (experts/igpu_slots.py, experts/igpu_registered.py) and the default one. Slots until
+# The two integrated-GPU tiers (experts/tiers/igpu_slots.py, igpu_registered.py) and the default one. Slots until
 # a measurement on the device says otherwise: tools/device/igpu_checks.py times both and reports the faster.
 SLOTS_TIER = "unified-slots"
 REGISTERED_TIER = "unified-registered"

@@ -30,6 +30,7 @@ class ModelFamily:
     load_processor: Callable[[Path], Any]
     ops: PrefillOps
     select_tensors: Callable[[Any, dict[str, TensorInfo]], dict[str, TensorInfo]] = lambda config, table: table
+    fused_experts: bool = False  # transformers' class holds each layer's experts as [E, 2I, H] and [E, H, I]
 
     def catalogue_for(self, config: Any, table: dict[str, TensorInfo]) -> ExpertCatalogue:
         """Every routed expert's byte ranges; the checkpoint must hold experts for exactly the MoE layers."""

@@ -21,8 +21,8 @@ from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 
 from vismmoe_edge.checkpoint import TensorInfo
+from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
 from vismmoe_edge.models.processing import image_only, load_processor

@@ -12,30 +12,17 @@ dropped (DeepSeek-VL2's newline and view-separator tokens are kept) and how to s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Protocol
 
 import torch
+
+from vismmoe_edge.compress.cut import SaliencyCapture
 
 
 @dataclass
 class VisualFeatures:
     embeds: torch.Tensor  # [V, H]: merged visual tokens of every image, in prompt order
     deepstack: list[torch.Tensor] = field(default_factory=list)  # one [V, H] per early decoder layer; [] if none
-
-
-class SaliencyCapture(Protocol):
-    """Installed around the vision forward (a context manager); then one score per droppable visual token."""
-
-    def __enter__(self) -> SaliencyCapture: ...
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None: ...
-
-    def per_image(self) -> list[torch.Tensor]:
-        """Per image, in [0, 1], over the tokens `droppable_tokens` lists (same order)."""
-        ...
 
 
 class PrefillOps(Protocol):

@@ -15,8 +15,8 @@ import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
+from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
 from vismmoe_edge.models.processing import image_only, load_processor
@@ -93,4 +93,5 @@ FAMILY = ModelFamily(
     tied_head=lambda config: bool(config.get_text_config().tie_word_embeddings),
     load_processor=load_qwen3_vl_processor,
     ops=Qwen3VLMoeOps(),
+    fused_experts=True,
 )

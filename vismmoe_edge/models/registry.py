@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.config_json import read_config_json
 from vismmoe_edge.models.family import ModelFamily
 
 # model_type -> (architecture in config.json, the module whose FAMILY serves it)

@@ -7,6 +7,6 @@
 - kernels.py: views over a record's bytes, CPU/CUDA compute, dequantization
 - catalogue.py: one byte range per (layer, expert) of a quantized checkpoint
 - formats/, source.py: FP8, compressed-tensors W4A16 and AWQ sources as dense weights
-- convert.py: quantize_checkpoint (python -m vismmoe_edge.quant SRC OUT --bits 4)
+- convert.py, dequantize.py: a checkpoint to records and back (vismmoe_edge.conversion finds the model family)
 See docs/quantization.md.
 """

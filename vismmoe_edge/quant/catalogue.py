@@ -7,7 +7,6 @@ kernels.expert_views(buf, catalogue.quant) over the bytes. Budgets, telemetry an
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,23 +19,16 @@ from vismmoe_edge.checkpoint import (
     ExpertLocation,
     ExpertPart,
     TensorInfo,
-    read_tensor_table,
 )
+from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.config_json import read_config_json
-from vismmoe_edge.models.registry import model_family
-from vismmoe_edge.quant.config import QUANT_METHOD, QuantConfig, parse_quant_config, read_quant_config
+from vismmoe_edge.quant.config import QUANT_METHOD, QuantConfig, parse_quant_config
 from vismmoe_edge.quant.record import RECORD_PART, ExpertSpec
 
 RECORD_KEY = re.compile(
     r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\."
     r"(?P<field>(?:gate_up|down)_proj\.(?:qweight|scales_zeros|scales))$"
 )
-_FAMILY_MODULES = {
-    "qwen3_vl_moe": ("vismmoe_edge.models.qwen3_vl_moe", "num_experts"),
-    "glm4v_moe": ("vismmoe_edge.models.glm4v_moe", "n_routed_experts"),
-    "deepseek_vl_v2": ("vismmoe_edge.models.deepseek_vl2.model", "n_routed_experts"),
-}
 CONVERTIBLE = ("fp8", "compressed-tensors", "awq")  # what `vismmoe-edge quantize` reads (quant/source.py)
 
 
@@ -135,25 +127,6 @@ def quantized_expert_ranges(
             if (layer, e) not in experts:
                 raise VismmoeError(f"layer {layer}: expert {e} is missing from the quantized checkpoint")
     return QuantizedCatalogue(spec, num_experts, layers, experts, names)
-
-
-def expert_geometry(model_type: str, config: Any) -> tuple[int, int, int, list[int]]:
-    """(hidden, moe_intermediate, routed experts, MoE layer indices) of a family's config."""
-    module, experts_attr = _FAMILY_MODULES[model_type]
-    text = config.get_text_config()
-    layers = importlib.import_module(module).moe_layer_indices(config)
-    return int(text.hidden_size), int(text.moe_intermediate_size), int(getattr(text, experts_attr)), layers
-
-
-def read_quantized_catalogue(directory: Path) -> QuantizedCatalogue:
-    """The checked catalogue of a quantized model directory (config.json, index and shards)."""
-    directory = Path(directory)
-    quant = read_quant_config(directory)
-    family = model_family(directory)
-    config = family.read_config(directory)
-    hidden, inter, num_experts, layers = expert_geometry(family.model_type, config)
-    table = family.select_tensors(config, read_tensor_table(directory))
-    return quantized_expert_ranges(table, quant, hidden=hidden, inter=inter, num_experts=num_experts, moe_layers=layers)
 
 
 def _check_groups(spec: ExpertSpec, where: str) -> None:

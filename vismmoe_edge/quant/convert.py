@@ -21,9 +21,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from vismmoe_edge.checkpoint import FUSED_EXPERT_KEY, INDEX_FILE, PER_EXPERT_KEY, TORCH_DTYPES, TensorInfo
+from vismmoe_edge.checkpoint import (
+    FUSED_EXPERT_KEY,
+    INDEX_FILE,
+    PER_EXPERT_KEY,
+    TORCH_DTYPES,
+    ExpertCatalogue,
+    TensorInfo,
+)
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.registry import model_family
 from vismmoe_edge.quant.config import make_config
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.quantize import cat_rows
@@ -37,6 +43,8 @@ _WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.gguf|\.h5|
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 Producer = Callable[[], list[torch.Tensor]]
+# The model family's float catalogue of a source directory's (dense) tensors: which are routed experts and where.
+FloatCatalogue = Callable[[Path, dict[str, TensorInfo]], ExpertCatalogue]
 
 
 @dataclass
@@ -187,11 +195,11 @@ def _write_json(path: Path, obj: object) -> None:
         os.fsync(f.fileno())
 
 
-def _plan(source: SourceCheckpoint, bits: int, group_size: int | None, layout: str) -> tuple[ExpertSpec, list[Unit]]:
+def _plan(
+    source: SourceCheckpoint, catalogue_of: FloatCatalogue, bits: int, group_size: int | None, layout: str
+) -> tuple[ExpertSpec, list[Unit]]:
     """The quantization spec, checked against the model's geometry, and every output unit in file order."""
-    family = model_family(source.directory)
-    config = family.read_config(source.directory)
-    catalogue = family.catalogue_for(config, family.select_tensors(config, _logical_table(source)))
+    catalogue = catalogue_of(source.directory, _logical_table(source))
     hidden, inter = _geometry(catalogue)
     origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
     spec = ExpertSpec(make_config(bits, group_size, layout, origin), hidden, inter)
@@ -226,10 +234,12 @@ def quantize_checkpoint(
     group_size: int | None = None,
     progress: bool = True,
     *,
+    catalogue_of: FloatCatalogue,
     layout: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
 ) -> Path:
-    """Write an int4 (group-wise, default g128) or int8 (per-channel) copy of the checkpoint at `src` to `out`.
+    """Write an int4 (group-wise, default g128) or int8 (per-channel) copy of the checkpoint at `src` to `out`;
+    `catalogue_of` is the model family's (vismmoe_edge.conversion passes it).
 
     `group_size` is for int4 only (default 128; it must divide hidden_size and moe_intermediate_size). `layout`:
     "auto" picks this CPU's kernel tiles (packing.CPU_LAYOUTS); name another one to convert for a different
@@ -245,7 +255,7 @@ def quantize_checkpoint(
     source = SourceCheckpoint(src)
     tmp: Path | None = None
     try:
-        spec, units = _plan(source, bits, group_size, layout)
+        spec, units = _plan(source, catalogue_of, bits, group_size, layout)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         _write(tmp, units, max_shard_bytes, progress)

@@ -2,10 +2,10 @@
 
 Every expert becomes exactly what `kernels.dequantize_expert` makes of its record (W = (code - 8) * scale + zero,
 or q * scale), in `dtype`; every other tensor keeps its bytes. That is the reference the fidelity tests and
-`eval` hold the quantized engine to: the same file, dequantized, run by transformers' own model. Qwen3-VL-MoE
-experts are written fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, what transformers 5 saves), the
-other families' one tensor per projection and expert, as their checkpoints ship. Memory: one expert at a time
-(one layer for the fused layout).
+`eval` hold the quantized engine to: the same file, dequantized, run by transformers' own model. A family whose
+transformers class loads fused experts gets them fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, what
+transformers 5 saves), the others one tensor per projection and expert, as their checkpoints ship. Memory: one
+expert at a time (one layer for the fused layout).
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from pathlib import Path
 import torch
 
 from vismmoe_edge.checkpoint import DTYPE_NAMES, TensorInfo, read_tensor_table
-from vismmoe_edge.models.config_json import read_config_json
-from vismmoe_edge.quant.catalogue import RECORD_KEY, QuantizedCatalogue, read_quantized_catalogue
+from vismmoe_edge.config_json import read_config_json
+from vismmoe_edge.quant.catalogue import RECORD_KEY, QuantizedCatalogue
 from vismmoe_edge.quant.convert import Unit, _check_out, _copy_extra_files, _write, _write_json
 from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
 from vismmoe_edge.quant.reader import PreadFiles
 from vismmoe_edge.quant.shards import Entry
-
-FUSED_FAMILIES = ("qwen3_vl_moe",)  # transformers loads these families' experts as [E, ...] tensors
 
 
 def _prefixes(catalogue: QuantizedCatalogue) -> dict[int, str]:
@@ -71,12 +69,20 @@ def _expert_units(files: PreadFiles, catalogue: QuantizedCatalogue, fused: bool,
     return units
 
 
-def dequantize_checkpoint(src: Path, out: Path, dtype: torch.dtype | None = None, *, progress: bool = False) -> Path:
-    """Write the float checkpoint our quantized `src` stands for to `out` (new or empty); experts in `dtype`
-    (default: the dtype of the largest non-expert tensor, the one the model computes in). Returns `out`."""
+def dequantize_checkpoint(
+    src: Path,
+    out: Path,
+    catalogue: QuantizedCatalogue,
+    *,
+    fused: bool,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write the float checkpoint our quantized `src` (its records: `catalogue`) stands for to `out` (new or empty);
+    experts in `dtype` (default: the dtype of the largest non-expert tensor, the one the model computes in), one
+    [E, ...] tensor per layer where the family's transformers class loads them `fused`. Returns `out`."""
     src, out = Path(src), Path(out).absolute()
     _check_out(out)
-    catalogue = read_quantized_catalogue(src)
     raw_config = read_config_json(src)
     table = read_tensor_table(src)
     plain = {n: i for n, i in table.items() if n not in catalogue.tensor_names}
@@ -90,7 +96,7 @@ def dequantize_checkpoint(src: Path, out: Path, dtype: torch.dtype | None = None
         return Unit([Entry(info.name, info.dtype, info.shape)], lambda: [files.read(info)])
 
     units = [copy_unit(info) for _, info in sorted(plain.items())]
-    units += _expert_units(files, catalogue, raw_config.get("model_type") in FUSED_FAMILIES, dtype)
+    units += _expert_units(files, catalogue, fused, dtype)
     units.sort(key=lambda u: u.sort_key)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers import DeepseekV2Config, SiglipVisionConfig
 
+from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.config_json import read_config_json
 
 MODEL_TYPE = "deepseek_vl_v2"
 ARCHITECTURE = "DeepseekVLV2ForCausalLM"

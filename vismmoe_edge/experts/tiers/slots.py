@@ -4,7 +4,7 @@ batched call from their slot ids (pool_compute.py).
 
 On the CPU a fetch copies the expert's bytes from the mmapped shard straight into its slot. On CUDA a fetch is
 one DMA into the slot on a copy stream, with one event per slot that compute waits on, from:
-- the pinned host tier (host_tier.py), when host RAM holds every streamed expert: queued from whatever thread
+- the pinned host tier (host_mirror.py), when host RAM holds every streamed expert: queued from whatever thread
   asks, nothing copied by the CPU;
 - else a pinned staging buffer that the page-cache pread pool (native threads) fills from the shard: two per
   I/O thread, so that one fills while the other's DMA runs.
@@ -21,8 +21,8 @@ import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
 from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.host_tier import HostMirror
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.tiers.host_mirror import HostMirror
 
 ExpertKey = tuple[int, int]
 

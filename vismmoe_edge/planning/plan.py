@@ -31,7 +31,7 @@ from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
 from vismmoe_edge.hardware.gpu_access import GpuAccess, igpu_tier
 from vismmoe_edge.hardware.profiles import Profile
-from vismmoe_edge.memory_plan import runtime_parts
+from vismmoe_edge.planning.memory_plan import runtime_parts
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
@@ -155,7 +155,7 @@ def make_plan(
     (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value. ``gpu``: the CUDA
     device experts may be computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read
     this process's under ``root``; None: ignore cgroups)."""
-    from vismmoe_edge.describe import describe_checkpoint
+    from vismmoe_edge.planning.describe import describe_checkpoint
 
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir

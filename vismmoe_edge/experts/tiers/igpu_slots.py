@@ -2,7 +2,7 @@
 
 For a Jetson Orin: the iGPU shares the DRAM with the CPU and the page cache, cannot read pageable or mmapped
 memory, and has no GPUDirect Storage (notes/linux-io.md §10-11). So the slot pool (one `[slots, 2I, H]` and one
-`[slots, H, I]` tensor, pinned prefix included, as experts/slots.py lays it out for pool_compute.py) lives in
+`[slots, H, I]` tensor, pinned prefix included, as slots.py lays it out for experts/pool_compute.py) lives in
 host memory registered with CUDA (host_memory.py), and its tensors are CUDA views of that memory: the batched
 expert kernels read the slots where the reads left them. A miss is a pread (O_DIRECT where aligned) of the
 expert's byte ranges straight into its slot, then its page cache is dropped (slot_fill.py): each expert byte is
@@ -28,11 +28,13 @@ import torch
 
 from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.host_memory import HostMemory
-from vismmoe_edge.experts.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
-from vismmoe_edge.experts.slots import pin_after_cache
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.tiers.host_memory import HostMemory
+from vismmoe_edge.experts.tiers.igpu import cuda_access
+from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
+from vismmoe_edge.experts.tiers.slots import pin_after_cache
 from vismmoe_edge.hardware import cudart
+from vismmoe_edge.hardware.gpu_access import SLOTS_TIER
 
 ExpertKey = tuple[int, int]
 
@@ -160,3 +162,11 @@ class UnifiedSlotTier:
 
     def close(self) -> None:
         self.filler.close()
+
+
+def make(store: ExpertStore, slots: int, *, pinned: int = 0, mirror: object = None) -> UnifiedSlotTier:
+    """Pinned, GPU-mapped slots on CUDA; without CUDA the same slots over plain memory."""
+    if store.device.type != "cuda":
+        return UnifiedSlotTier(store, slots, pinned=pinned)
+    runtime, _ = cuda_access(SLOTS_TIER, store)
+    return UnifiedSlotTier(store, slots, pinned=pinned, runtime=runtime)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vismmoe_edge.experts.slots import SlotPoolTier
+from vismmoe_edge.experts.store import ExpertStore
+from vismmoe_edge.experts.tiers.slots import SlotPoolTier
 from vismmoe_edge.quant.kernels import QuantizedExpert
 from vismmoe_edge.quant.slot_form import SlotForm
 
@@ -53,3 +54,8 @@ class QuantSlotPoolTier(SlotPoolTier):
 
     def weights(self, slot: int) -> QuantizedExpert:  # type: ignore[override]
         return self.form.views(self.records[slot])
+
+
+def slot_pool_class(store: ExpertStore) -> type[SlotPoolTier]:
+    """Records for a quantized catalogue (torch's int4/int8 kernels compute them), float weights otherwise."""
+    return QuantSlotPoolTier if store.catalogue.quant is not None else SlotPoolTier

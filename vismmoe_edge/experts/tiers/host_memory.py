@@ -2,7 +2,7 @@
 
 An anonymous mapping of exactly the pool's size (torch's pinned allocator rounds every block up to a power of two,
 which would waste up to half of a Jetson's DRAM), pinned and mapped for the GPU with cudaHostRegister in 1 GiB
-pieces (one huge registration can take tens of seconds, as one huge cudaHostAlloc does; host_tier.py). Where the
+pieces (one huge registration can take tens of seconds, as one huge cudaHostAlloc does; host_mirror.py). Where the
 device keeps registered memory at its host address (attribute 91), the pieces form one device range at the same
 address; otherwise the whole range is registered at once and its device address asked for. Where registration
 is unsupported (attribute 99 = 0), cudaHostAlloc gives the memory instead. Without CUDA (`runtime=None`) it is

@@ -10,7 +10,7 @@ dropped (linux-io.md §10.2), unregistered ones can.
 Only MAP_SHARED + PROT_READ + READ_ONLY avoids an anonymous copy of every page (a MAP_PRIVATE mapping is
 COW-copied when pinned, and READ_ONLY on it hung: §10.4); pagecache.MappedFile maps exactly that. Where the
 device refuses (attribute 99 or 113 = 0, pre-Orin boards, a kernel that forbids the pin) the factory
-(igpu.py) falls back to the slot tier with one line.
+(`make`, below) falls back to the slot tier with one line.
 
 cudaHostRegister refuses overlapping ranges, and two experts' byte ranges often share a page. So a part's page
 span is registered as up to three segments, its first page, its interior and its last page, reference-counted:
@@ -31,12 +31,17 @@ import torch
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.host_memory import DeviceArray
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
-from vismmoe_edge.experts.slot_fill import drop_whole_files
+from vismmoe_edge.experts.pipeline import Tier
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
-from vismmoe_edge.experts.unified import _MappedShards
+from vismmoe_edge.experts.tiers.host_memory import DeviceArray
+from vismmoe_edge.experts.tiers.igpu import cuda_access
+from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
+from vismmoe_edge.experts.tiers.mapped_shards import MappedShards
+from vismmoe_edge.experts.tiers.slot_fill import drop_whole_files
 from vismmoe_edge.hardware import cudart
+from vismmoe_edge.hardware.gpu_access import REGISTERED_TIER, igpu_tier
+from vismmoe_edge.hardware.monitor import notice_once
 
 ExpertKey = tuple[int, int]
 Segment = tuple[Path, int, int]  # (shard, page-aligned file offset, length)
@@ -121,7 +126,7 @@ class UnifiedRegisteredTier:
     def __init__(
         self, store: ExpertStore, slots: int, *, runtime: cudart.CudaRuntime, pinned: int = 0, threads: int = 8
     ) -> None:
-        self.shards = _MappedShards(store, random_access=True)  # MAP_SHARED, PROT_READ; refuses a dtype change
+        self.shards = MappedShards(store, random_access=True)  # MAP_SHARED, PROT_READ; refuses a dtype change
         drop_whole_files(self.shards.files)  # the header reads' readahead: large folios and readahead marks
         self.store = store
         self.device = store.device
@@ -244,3 +249,20 @@ def mapping_anonymous_bytes(path: Path, smaps: str | None = None) -> int | None:
         elif inside and line.startswith("Anonymous:"):
             total = (total or 0) + int(line.split()[1]) * 1024
     return total
+
+
+def make(store: ExpertStore, slots: int, *, pinned: int = 0, mirror: object = None) -> Tier:
+    """Registered shard ranges where the device allows them; otherwise, with one line, the slot tier."""
+    if store.device.type != "cuda":
+        raise VismmoeError(f"--tier {REGISTERED_TIER} registers shard ranges with CUDA; it needs --device cuda")
+    runtime, access = cuda_access(REGISTERED_TIER, store)
+    chosen, note = igpu_tier(access, REGISTERED_TIER)
+    if note:
+        notice_once(f"igpu-tier:{note}", note)
+    if chosen == REGISTERED_TIER:
+        try:
+            return UnifiedRegisteredTier(store, slots, runtime=runtime, pinned=pinned)
+        except RegistrationRefused as e:
+            notice_once(f"igpu-register:{e}", f"{e}: registered shard ranges are refused here, experts go to pinned "
+                        "slots instead")  # fmt: skip
+    return UnifiedSlotTier(store, slots, pinned=pinned, runtime=runtime)
