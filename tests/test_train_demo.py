@@ -185,7 +185,9 @@ def test_smoke_run_resumes_and_records_the_lineage(tmp_path: Path) -> None:
     assert record["format"] == 2
     previous, this = record["runs"][:-1], record["runs"][-1]
     assert previous[0]["run"] == "attempt 6" and previous[0]["steps"] == 1535  # the shipped model's own run
-    assert this == json.loads(json.dumps(run)) and this["run"] == 2
+    shipped = json.loads((TRAINED_DEMO_DIR / "training.json").read_text())["runs"]
+    assert previous == shipped  # the shipped model's lineage is carried over whole
+    assert this == json.loads(json.dumps(run)) and this["run"] == len(shipped) + 1
     assert this["steps"] == 2 and this["seed"] == 0 and this["data_version"] == D.DATA_VERSION
     assert this["resumed_from"]["init"] == str(TRAINED_DEMO_DIR)
     assert this["resumed_from"]["weights_sha256_16"] == T.weights_digest(TRAINED_DEMO_DIR)

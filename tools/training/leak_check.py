@@ -59,14 +59,16 @@ def training_scenes(stream: D.BatchStream, workers: int, images: int):
             made += bucket.batch
 
 
-def check(images: int, workers: int, seed: int, sides: str, token_budget: int, split_n: int = 500) -> dict:
+def check(
+    images: int, workers: int, seed: int, sides: str, token_budget: int, split_n: int = 500, wide_layout: float = 0.5
+) -> dict:
     from vismmoe_edge.demo import TRAINED_DEMO_DIR
     from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor
 
     processor = load_qwen3_vl_processor(TRAINED_DEMO_DIR)
     prefix = len(D.TurnEncoder(processor).prefix)
     buckets = D.make_buckets(tuple(int(s) for s in sides.split(",")), token_budget, 16, 24, prefix)
-    stream = D.BatchStream(D.StreamConfig(seed, buckets), processor)
+    stream = D.BatchStream(D.StreamConfig(seed, buckets, wide_layout=wide_layout), processor)
     stream.backgrounds = D.BackgroundCache(stream.config.background_reuse, render=lambda scene: None)
     splits = split_keys(split_n)
     hits = {name: {"exact": 0, "layout": 0} for name in splits}
@@ -77,7 +79,14 @@ def check(images: int, workers: int, seed: int, sides: str, token_budget: int, s
             hits[name]["exact"] += exact in exact_set
             hits[name]["layout"] += layout in layout_set
         seen += 1
-    return {"training_scenes": seen, "split_scenes": split_n, "workers": workers, "seed": seed, "matches": hits}
+    return {
+        "training_scenes": seen,
+        "split_scenes": split_n,
+        "workers": workers,
+        "seed": seed,
+        "wide_layout": wide_layout,
+        "matches": hits,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", default="448,640,864,1056")
     parser.add_argument("--token-budget", type=int, default=160_000)
+    parser.add_argument("--wide-layout", type=float, default=0.5, help="the run's --wide-layout")
     args = parser.parse_args(argv)
-    result = check(args.images, args.workers, args.seed, args.sides, args.token_budget)
+    result = check(args.images, args.workers, args.seed, args.sides, args.token_budget, wide_layout=args.wide_layout)
     print(result)
     if any(v for counts in result["matches"].values() for v in counts.values()):
         raise SystemExit("a split scene appears in the training stream")
