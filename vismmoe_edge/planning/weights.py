@@ -113,7 +113,7 @@ def weight_bytes(
     if dense_bits is not None and bits is None:
         raise VismmoeError("--dense-bits needs --bits: quantize converts the experts too")
     group = group_size if group_size is not None else (DEFAULT_GROUP_SIZE if bits == 4 else None)
-    dense_group = group if bits == 4 else DEFAULT_GROUP_SIZE
+    dense_group = DEFAULT_GROUP_SIZE  # at most (dense.choose)
     if stored is None:
         check_dense_bits(dense_bits, dense_group)
     planned = stored is None and bits is not None

@@ -15,8 +15,9 @@
 
 With `quantize --dense-bits 8|4` the file is format_version 2: quantized_modules is ["routed_experts",
 "dense_linear"] and `"dense": {"bits": 4, "group_size": 128, "vision_bits": 8}` says how the attention
-projections, lm_head, dense/shared MLPs (dense_bits) and the vision tower's linears (int8) were stored
-(quant/dense.py: each linear's own tensors say which it got). A version-1 reader refuses version 2 in one line.
+projections, lm_head, dense/shared MLPs (dense_bits, int4 groups of at most group_size) and the vision tower's
+linears (int8) were stored (quant/dense.py: each linear's own tensors say which it got). A version-1 reader
+refuses version 2 in one line.
 
 docs/quantization.md describes the tensors; record.py computes their shapes from this and the model geometry.
 """

@@ -220,7 +220,7 @@ def _plan(
     hidden, inter = _geometry(catalogue)
     origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
     quant = make_config(bits, group_size, layout, origin)
-    dense_group = group_size if bits == 4 else DEFAULT_INT4_GROUP
+    dense_group = DEFAULT_INT4_GROUP  # at most: each matrix takes the largest kernel group dividing its width
     if dense_bits is not None:
         quant = QuantConfig(bits, group_size, layout, origin, dense_bits, dense_group if dense_bits == 4 else None)
     spec = ExpertSpec(quant, hidden, inter)
@@ -277,7 +277,7 @@ def quantize_checkpoint(
     "auto" picks this CPU's kernel tiles (packing.CPU_LAYOUTS); name another one to convert for a different
     board (e.g. cpu_b16_pairs for a Jetson), or "rowmajor" for a CPU-neutral file. `dense_bits` (4 or 8):
     also quantize the linears `linears_of` names (attention, lm_head, dense MLPs at `dense_bits`, the vision tower
-    at int8; dense.py), int4 in the experts' group size and layout. Returns `out`.
+    at int8; dense.py), int4 in the experts' layout, groups of at most 128. Returns `out`.
     """
     src, out = Path(src).expanduser(), Path(out).expanduser().absolute()
     _check_out(out)
@@ -285,7 +285,7 @@ def quantize_checkpoint(
         group_size = DEFAULT_INT4_GROUP
     layout = resolve_layout(bits, layout)
     make_config(bits, group_size, layout)  # argument errors before any reading
-    check_dense_bits(dense_bits, group_size if bits == 4 else DEFAULT_INT4_GROUP)
+    check_dense_bits(dense_bits, DEFAULT_INT4_GROUP)
     if dense_bits is not None and linears_of is None:
         raise ValueError("dense_bits needs linears_of, the model family's linear weights")
     max_shard_bytes = parse_size(max_shard_size)

@@ -28,6 +28,7 @@ from torch import nn
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, TensorInfo
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.quant.config import KERNEL_GROUP_SIZES
 from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, QuantizedMatrix, linear, prepare_matrix
 from vismmoe_edge.quant.packing import pack_int4
 from vismmoe_edge.quant.quantize import SCALE_DTYPE, quantize_int4, quantize_int8
@@ -77,11 +78,14 @@ def int4_fits(n: int, k: int, group_size: int) -> bool:
 
 
 def choose(weight: str, n: int, k: int, dense_bits: int, group_size: int) -> DenseChoice:
-    """The language model's linears at `dense_bits`, the vision tower's at int8; int4 that does not tile: int8."""
+    """The language model's linears at `dense_bits`, the vision tower's at int8. int4 takes the largest group the
+    kernels accept that is at most `group_size` and divides K (e.g. 64 for a width of 192); a matrix no such group
+    tiles is stored int8."""
     bits = 8 if VISION_KEY.search(weight) else dense_bits
-    if bits == 4 and not int4_fits(n, k, group_size):
+    group = next((g for g in sorted(KERNEL_GROUP_SIZES, reverse=True) if g <= group_size and int4_fits(n, k, g)), None)
+    if bits == 4 and group is None:
         bits = 8
-    return DenseChoice(weight, n, k, bits, group_size if bits == 4 else None)
+    return DenseChoice(weight, n, k, bits, group if bits == 4 else None)
 
 
 def linear_weights(model: nn.Module, exclude: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
