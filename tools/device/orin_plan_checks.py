@@ -142,8 +142,18 @@ def check_nano_plan_on_h200(work: Path, layers: int, image: Path) -> dict[str, A
     result = engine.generate_from_inputs(inputs, sampling)
     read = engine.experts.pipeline.stats.bytes_read - before
     return {
-        "plan": {k: plan[k] for k in ("pinned_layers", "cache_fraction", "resident_bytes", "memory_budget_bytes",
-                                      "m_avail_bytes", "device", "tier")},  # fmt: skip
+        "plan": {
+            k: plan[k]
+            for k in (
+                "pinned_layers",
+                "cache_fraction",
+                "resident_bytes",
+                "memory_budget_bytes",
+                "m_avail_bytes",
+                "device",
+                "tier",
+            )
+        },  # fmt: skip
         "proxy_layers": layers,
         "build_s": round(built, 1),
         "quantize_s": round(quantized, 1),

@@ -229,8 +229,7 @@ def make_plan(
         f"M_avail = {format_bytes(m_avail)}: {source}",
         f"C_safe = {format_bytes(c_safe_b)} ({c_safe_from}): OS and runtime headroom",
         f"R = {format_bytes(resident)} of non-expert weights held once ({format_bytes(parts.vision_weights_bytes)} "
-        "of them the vision tower; their page cache is dropped after loading): subtracted"
-        + _weights_note(weights),
+        "of them the vision tower; their page cache is dropped after loading): subtracted" + _weights_note(weights),
         f"KV = {format_bytes(parts.kv_cache_bytes)} for {parts.context_tokens} positions, A = "
         f"{format_bytes(parts.activation_bytes)} of prefill activations for {parts.prompt_tokens} tokens (an "
         f"estimate; the vision tower's peak over as many image tokens is {format_bytes(parts.vision_peak_bytes)}, "
