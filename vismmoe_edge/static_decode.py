@@ -38,6 +38,25 @@ def capacity_for(tokens: int) -> int:
     return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream graphs are warmed up and captured on, from torch's high-priority pool.
+
+    torch hands out low-priority streams round-robin from a pool of 32 (c10/cuda/CUDAStream.h), so a stream taken
+    per capture, or `torch.cuda.graph`'s shared default capture stream, sooner or later is the very CUDA stream an
+    I/O thread copies on. That thread's DMA and slot event then land inside the capture (thread_local capture
+    mode only relaxes checks, it does not keep other threads off the capturing stream), and the compute stream's
+    later `wait_event` on the captured event fails with `invalid argument` (SlotPoolTier.ready). Nothing else in
+    the package takes a high-priority stream (tests/test_capture_stream.py checks), and this one is taken once.
+    """
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
+
+
 class StaticCache:
     """Per-layer K/V buffers of a fixed capacity and, per layer, the number of positions filled.
 
@@ -215,7 +234,7 @@ class StaticDecoder:
         capture records kernels without running them: the caller replays the graph once to run it."""
         state = [self.hidden, self.normed, self.cache.lengths]
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream(self.device)
+        side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             fn(*args)
@@ -224,7 +243,7 @@ class StaticDecoder:
             t.copy_(old)
         graph = torch.cuda.CUDAGraph()
         # thread_local: I/O threads keep queueing copies on their own streams while this thread captures
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.graph_pool, stream=side, capture_error_mode="thread_local"):
             fn(*args)
         return graph
 
