@@ -149,6 +149,7 @@ class ExpertPipeline:
         self._error: BaseException | None = None
         self._misses: set[int] = set()  # experts of the current layer that were demand misses
         self._closed = False
+        self.residency_version = 0  # bumped whenever an expert enters or leaves a slot (experts/table.py syncs on it)
         self._update_resident()
         self._workers = [
             threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
@@ -298,6 +299,27 @@ class ExpertPipeline:
         """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""
         entry = self._entries.get((layer, expert))
         return entry is not None and entry.loaded.is_set()
+
+    def resident_slots(self) -> dict[ExpertKey, int]:
+        """Every expert that can be read from the pool now (arrived, not evicted) -> its slot."""
+        pinned_slot = getattr(self.tier, "pinned_slot", {})
+        with self._lock:
+            slots = {k: e.slot for k, e in self._entries.items() if e.loaded.is_set() and e.slot is not None}
+        return slots | {k: pinned_slot[k] for k in self.pinned if k in pinned_slot}
+
+    def touch(self, layer: int, experts: Iterable[int]) -> None:
+        """A token used these experts without acquiring them (the device-side decode): refresh their place in the
+        eviction order as `finish` would, and their popularity."""
+        with self._lock:
+            for expert in experts:
+                key = (layer, expert)
+                entry = self._entries.get(key)
+                if self.policy == "popularity":
+                    self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + 1.0
+                if entry is None or entry.state is not State.EXPIRED:
+                    continue
+                score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+                self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + score + next(self._clock))
 
     def resident_keys(self) -> set[ExpertKey]:
         with self._lock:
@@ -505,6 +527,7 @@ class ExpertPipeline:
             keys.discard(key)
 
     def _update_resident(self) -> None:
+        self.residency_version += 1
         self.stats.resident_bytes = self.stats.pinned_bytes + self._loaded_count * self.tier.slot_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
 

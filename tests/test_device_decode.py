@@ -1,0 +1,124 @@
+"""The whole decode token on the device (StaticDecoder.token_step): routing read through the expert table, the
+next token chosen by the device sampler. Run eagerly on the CPU here, exactly against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3VLMoeForConditionalGeneration
+
+import vismmoe_edge
+from tests.hf_reference import NEW_TOKENS, Reference, hf_references
+from vismmoe_edge.device_sampling import DeviceSampler
+from vismmoe_edge.experts.pool_compute import decode_experts
+from vismmoe_edge.experts.table import ABSENT
+from vismmoe_edge.kernels import moe_decode as md
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
+from vismmoe_edge.prompt import encode_prompt, load_image
+from vismmoe_edge.sampling import SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path], images: list[Path]) -> dict[str, Reference]:
+    model_dir = checkpoints["v5"]
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
+    processor = load_processor(model_dir)
+    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
+                         images)  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+def test_device_token_matches_transformers(checkpoints, references, budget: str) -> None:
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget=budget, pinned_layers=1, device="cpu", tier="host")
+    engine.static_decode = "on"
+    engine.device_decode = "on"
+    assert engine.uses_static_decode() and engine.uses_device_decode()
+    for name, ref in references.items():
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
+    (decoder,) = engine._decoders.values()
+    assert decoder.on_device
+    tokens = len(references) * (NEW_TOKENS - 1)
+    if budget == "25%":  # misses: tokens redone through the per-layer path, and still transformers' tokens
+        assert 0 < decoder.redone <= tokens
+    else:  # the first tokens fetch what the table lacks; once everything is in, no token is redone
+        assert decoder.redone < tokens
+        assert decoder.table.version == engine.experts.pipeline.residency_version
+
+
+def test_device_decode_is_off_where_something_watches_the_routing(checkpoints) -> None:
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", device="cpu", tier="host",
+                               predictor="previous-token")  # fmt: skip
+    engine.device_decode = "on"
+    assert not engine.uses_device_decode()  # the predictor needs each layer's routing as it happens
+    plain = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu", tier="host")
+    assert not plain.uses_device_decode()  # "auto" on the CPU: the host path
+
+
+def _pool(slots: int = 5, inter: int = 8, hidden: int = 16, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+
+    class Pool:
+        gate_up = torch.randn(slots, 2 * inter, hidden, generator=g, dtype=dtype)
+        down = torch.randn(slots, hidden, inter, generator=g, dtype=dtype)
+
+    return Pool, torch.randn(1, hidden, generator=g, dtype=dtype)
+
+
+def test_moe_decode_reads_the_table_and_flags_absent_experts() -> None:
+    pool, x = _pool()
+    table = torch.full((10,), ABSENT, dtype=torch.int32)
+    table[[3, 7, 9]] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    index, weights = torch.tensor([[7, 3]]), torch.tensor([[0.25, 0.75]])
+    out, missed = md.moe_decode(x, index, weights, table, pool, F.silu)
+    assert not bool(missed)
+    expect = decode_experts(x, torch.tensor([[0, 4]]), weights, pool.gate_up, pool.down, F.silu)
+    assert torch.equal(out, expect)  # the same computation as the per-layer path: exact
+    _, missed = md.moe_decode(x, torch.tensor([[7, 5]]), weights, table, pool, F.silu)
+    assert bool(missed)  # expert 5 is in no slot
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_fused_gemv_matches_the_torch_path_in_the_interpreter() -> None:
+    pool, x = _pool(slots=4, inter=24, hidden=40, dtype=torch.bfloat16)  # shapes that leave partial blocks
+    slots, weights = torch.tensor([[3, 1]]), torch.tensor([[0.6, 0.4]])
+    assert md.use_triton(pool.gate_up)
+    fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, F.silu).float()
+    ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), F.silu)
+    assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_device_sampler_greedy_masks_stop_tokens_until_min_new_tokens() -> None:
+    sampler = DeviceSampler(5, torch.device("cpu"))
+    sampler.set_stops([4])
+    logits = torch.tensor([0.0, 1.0, 3.0, 0.5, 9.0])
+    sampler.configure(SamplingConfig(min_new_tokens=2), produced=1)
+    sampler.choose(logits)
+    assert int(sampler.token) == 2  # the stop token 4 is masked while fewer than 2 tokens exist
+    sampler.configure(SamplingConfig(min_new_tokens=2), produced=2)
+    sampler.choose(logits)
+    assert int(sampler.token) == 4
+    sampler.configure(SamplingConfig(temperature=1e-9), produced=2)  # a tiny temperature is greedy, not inf
+    assert not sampler.sampling
+    sampler.choose(logits)
+    assert int(sampler.token) == 4
+
+
+def test_device_sampler_draws_from_the_nucleus_in_proportion() -> None:
+    sampler = DeviceSampler(4, torch.device("cpu"))
+    sampler.seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=0.8), produced=1)  # nucleus: tokens 0 and 1
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        sampler.choose(probs.log())
+        counts[int(sampler.token)] += 1
+    assert counts[2] == 0 and counts[3] == 0
+    share = counts[0] / counts[:2].sum()
+    assert abs(share - 0.5 / 0.8) < 0.04  # 0.625, four standard errors ~ 0.043
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=1e-9), produced=1)  # the top token always survives
+    sampler.choose(probs.log())
+    assert int(sampler.token) == 0

@@ -1,0 +1,45 @@
+"""Where each expert's weights are now, on the device: `slots[layer, expert]` is a row of the slot pool's tensors,
+or ABSENT.
+
+A decode token reads the router's top-k straight through this table on the GPU, so the host need not learn the
+routing before the experts run. The host writes the table only when residency changes (an expert arrived in a
+slot, or left one); `sync` copies the whole table from the pipeline's state, which costs one 4-byte word per
+(layer, expert): 24 KiB for 48 layers of 128 experts, one small DMA, queued on the compute stream so no token
+reads a half-written table.
+
+Rows of the table are decoder-layer indices (dense layers keep an all-ABSENT row, never read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vismmoe_edge.experts.pipeline import ExpertPipeline
+
+ABSENT = -1
+
+
+class ExpertTable:
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device) -> None:
+        self.host = torch.full((num_layers, num_experts), ABSENT, dtype=torch.int32)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()
+        self.slots = self.host.to(device)  # what the kernels read
+        self.version = -1  # the pipeline residency version the device copy reflects
+
+    def sync(self, pipeline: ExpertPipeline) -> bool:
+        """Copy the pipeline's residency into the device table if it changed since the last sync; True if it did.
+        Call between tokens on the compute thread, with no fetch in flight that could evict (pipeline.drain)."""
+        version = pipeline.residency_version
+        if version == self.version:
+            return False
+        self.host.fill_(ABSENT)
+        for (layer, expert), slot in pipeline.resident_slots().items():
+            self.host[layer, expert] = slot
+        self.slots.copy_(self.host, non_blocking=True)  # stream-ordered before the next token reads it
+        self.version = version
+        return True
+
+    def lookup(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """index [1, k] expert ids (device) -> [1, k] slots, ABSENT where not resident (device ops only)."""
+        return self.slots[layer].index_select(0, index.view(-1)).view(index.shape)
