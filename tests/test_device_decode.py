@@ -42,11 +42,16 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str)
     (decoder,) = engine._decoders.values()
     assert decoder.on_device
     tokens = len(references) * (NEW_TOKENS - 1)
+    pipeline = engine.experts.pipeline
     if budget == "25%":  # misses: tokens redone through the per-layer path, and still transformers' tokens
         assert 0 < decoder.redone <= tokens
     else:  # the first tokens fetch what the table lacks; once everything is in, no token is redone
         assert decoder.redone < tokens
-        assert decoder.table.version == engine.experts.pipeline.residency_version
+        assert decoder.table.version == pipeline.residency_version  # the last token read a current table
+    decoder.table.sync(pipeline)
+    resident = pipeline.resident_slots()
+    assert int((decoder.table.slots >= 0).sum()) == len(resident) > 0
+    assert all(int(decoder.table.slots[layer, expert]) == slot for (layer, expert), slot in resident.items())
 
 
 def test_device_decode_is_off_where_something_watches_the_routing(checkpoints) -> None:

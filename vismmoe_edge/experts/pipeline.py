@@ -308,11 +308,13 @@ class ExpertPipeline:
         return slots | {k: pinned_slot[k] for k in self.pinned if k in pinned_slot}
 
     def touch(self, layer: int, experts: Iterable[int]) -> None:
-        """A token used these experts without acquiring them (the device-side decode): refresh their place in the
-        eviction order as `finish` would, and their popularity."""
+        """A token used these experts without acquiring them (the device-side decode, which runs only when every
+        one was resident): count the hits, refresh their place in the eviction order as `finish` would, and their
+        popularity."""
         with self._lock:
             for expert in experts:
                 key = (layer, expert)
+                self.stats.hits += 1
                 entry = self._entries.get(key)
                 if self.policy == "popularity":
                     self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + 1.0

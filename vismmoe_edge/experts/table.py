@@ -29,13 +29,20 @@ class ExpertTable:
 
     def sync(self, pipeline: ExpertPipeline) -> bool:
         """Copy the pipeline's residency into the device table if it changed since the last sync; True if it did.
-        Call between tokens on the compute thread, with no fetch in flight that could evict (pipeline.drain)."""
+
+        Call between tokens on the compute thread. The caller keeps evictions away while a token may read the
+        table: nothing prefetches in the background (engine.uses_device_decode), and the fetches of a redone
+        token have all landed before it returns (they were Required), so no slot changes hands after the sync.
+        """
         version = pipeline.residency_version
         if version == self.version:
             return False
+        pipeline.drain()
+        resident = pipeline.resident_slots()
         self.host.fill_(ABSENT)
-        for (layer, expert), slot in pipeline.resident_slots().items():
-            self.host[layer, expert] = slot
+        if resident:
+            keys = torch.tensor(list(resident), dtype=torch.long)
+            self.host[keys[:, 0], keys[:, 1]] = torch.tensor(list(resident.values()), dtype=torch.int32)
         self.slots.copy_(self.host, non_blocking=True)  # stream-ordered before the next token reads it
         self.version = version
         return True
