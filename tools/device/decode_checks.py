@@ -28,13 +28,16 @@ from checks import Checks  # noqa: E402
 
 from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs, near_tie_divergence  # noqa: E402
 
+DEVICE = "cuda"  # --device cpu: a dry run of the equivalence checks on the CPU (no graphs)
 SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy ")
 
 
 def _engine(model_dir: Path, budget: str):  # type: ignore[no-untyped-def]
     import vismmoe_edge
 
-    engine = vismmoe_edge.load(model_dir, memory_budget=budget, pinned_layers=1, device="cuda", host_tier=True)
+    engine = vismmoe_edge.load(model_dir, memory_budget=budget, pinned_layers=1, device=DEVICE,
+                               tier="gpu" if DEVICE == "cuda" else "host", host_tier=DEVICE == "cuda")  # fmt: skip
+    engine.static_decode = "on"
     engine.device_decode = "on"
     return engine
 
@@ -49,26 +52,23 @@ def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str) 
                                       num_layers=8)  # fmt: skip
     engine = _engine(model_dir, budget)
     ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
-    ref = ref.to("cuda").eval()
+    ref = ref.to(DEVICE).eval()
     out: dict = {"prompts": {}}
     ok = True
     for name, (prompt, n_images) in PROMPTS.items():
         inputs = engine.encode(prompt, images[:n_images])
-        kwargs = {k: v.to("cuda") for k, v in hf_kwargs(inputs).items()}
+        kwargs = {k: v.to(DEVICE) for k, v in hf_kwargs(inputs).items()}
         with torch.no_grad():
             gen = ref.generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                output_logits=True, return_dict_in_generate=True)  # fmt: skip
         ref.model.rope_deltas = None
         tokens = gen.sequences[0, inputs.num_tokens :].tolist()
-        result = engine.generate_from_inputs(
-            inputs, SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        )
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        result = engine.generate_from_inputs(inputs, sampling)
         divergence = None
-        if result.token_ids != tokens:  # teacher-forced on the reference's tokens, through the same decoder
-            logits, state = engine.prefill(inputs)
-            engine.start_decode(state, len(tokens))
-            forced = [logits.float()] + [engine.decode_step(t, state).float().clone() for t in tokens[:-1]]
-            divergence = near_tie_divergence(result.token_ids, tokens, [s[0].float() for s in gen.logits], forced)
+        if result.token_ids != tokens:  # teacher-forced on the reference's tokens, through the device token
+            forced = teacher_forced_device(engine, inputs, tokens, sampling)
+            divergence = near_tie_divergence(result.token_ids, tokens, [s[0].float().cpu() for s in gen.logits], forced)
             ok &= divergence.accepted
         out["prompts"][name] = {"equal": divergence is None,
                                 "divergence": None if divergence is None else divergence.describe()}  # fmt: skip
@@ -76,6 +76,20 @@ def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str) 
     out["tokens_redone"] = sum(d.redone for d in decoders)
     out["graphs"] = all(d.graphs for d in decoders)
     return {"ok": ok and bool(decoders), **out}
+
+
+def teacher_forced_device(engine, inputs, tokens: list[int], sampling) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Per-step logits of the device token (StaticDecoder.token_step) fed the reference's tokens."""
+    logits, state = engine.prefill(inputs)
+    engine.start_decode(state, len(tokens))
+    decoder = state.static
+    assert decoder is not None and decoder.on_device
+    decoder.sampler.set_stops(engine.eos_token_ids)
+    steps = [logits.float().cpu()]
+    for produced, token in enumerate(tokens[:-1], start=1):
+        engine.device_token(token, state, sampling, produced)
+        steps.append(decoder.logits.float().cpu().clone())
+    return steps
 
 
 def host_syncs(tmp: Path, images: list[Path]) -> dict:
@@ -156,10 +170,13 @@ def moe_layer() -> dict:
             "relative_error": err}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     from igpu_checks import make_images
 
     checks = Checks()
@@ -169,12 +186,12 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for budget in ("100%", "25%"):
                 checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
-                    tmp, images, dtype, budget))  # fmt: skip
+                    tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
         checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
     checks.run("one MoE layer against its byte bound", moe_layer)
     args.out.write_text(json.dumps(checks.results, indent=1))
-    sys.exit(0 if all(r["status"] != "fail" for r in checks.results) else 1)
+    return 0 if all(r["status"] != "fail" for r in checks.results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
