@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = Checks()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        images = make_images(tmp / "images")
+        images = make_images(tmp)
         for dtype in (torch.float32, torch.bfloat16):
             for budget in ("100%", "25%"):
                 checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
