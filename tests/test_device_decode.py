@@ -127,3 +127,33 @@ def test_device_sampler_draws_from_the_nucleus_in_proportion() -> None:
     sampler.configure(SamplingConfig(temperature=1.0, top_p=1e-9), produced=1)  # the top token always survives
     sampler.choose(probs.log())
     assert int(sampler.token) == 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/device/decode_checks.sh checks runs it)"
+)
+@pytest.mark.parametrize("budget,mode", [("100%", "auto"), ("25%", "on")])
+def test_cuda_device_token_matches_transformers(tmp_path: Path, images: list[Path], budget: str, mode: str) -> None:
+    """One graph per token on the GPU, float32 (the torch path of the table-read decode): transformers' tokens
+    and logits within 1e-4; bf16 is decode_checks.py's, under the near-tie rule."""
+    from tests.hf_reference import PROMPTS, hf_kwargs
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=torch.float32, layout="hub", num_layers=8)
+    engine = vismmoe_edge.load(model_dir, memory_budget=budget, pinned_layers=1, device="cuda", host_tier=True)
+    engine.device_decode = mode
+    assert engine.uses_device_decode()
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").to("cuda")
+    for prompt, n_images in PROMPTS.values():
+        inputs = engine.encode(prompt, images[:n_images])
+        kwargs = {k: v.to("cuda") for k, v in hf_kwargs(inputs).items()}
+        with torch.no_grad():
+            out = ref.eval().generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                      do_sample=False)  # fmt: skip
+        ref.model.rope_deltas = None
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert engine.generate_from_inputs(inputs, sampling).token_ids == out[0, inputs.num_tokens :].tolist(), prompt
+    decoders = [d for d in engine._decoders.values() if d.on_device]
+    assert decoders and all(d.graphs for d in decoders)
+    if budget == "25%":
+        assert sum(d.redone for d in decoders) > 0  # misses redone on the per-layer path, tokens still equal

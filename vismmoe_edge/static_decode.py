@@ -361,7 +361,7 @@ class StaticDecoder:
         for t, old in zip(state, saved, strict=True):
             t.copy_(old)
         graph = torch.cuda.CUDAGraph()
-        if self.on_device:  # the sampler's random draws advance per replay, not once at capture
+        if self.on_device and hasattr(graph, "register_generator_state"):  # draws advance per replay
             graph.register_generator_state(self.sampler.generator)
         # thread_local: I/O threads keep queueing copies on their own streams while this thread captures
         with torch.cuda.graph(graph, pool=self.graph_pool, stream=side, capture_error_mode="thread_local"):

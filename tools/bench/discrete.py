@@ -541,8 +541,14 @@ def main() -> None:
                                ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
                 results.append({**bound, "routing": mode})
             set_predictor(engines["budget"], "none", None)
-            profiles.append(profile_decode(engines["budget"], image, replay))
+            engines["budget"].device_decode = "off"
+            profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
             print("profile", profiles[-1], flush=True)
+            if "all-resident" in engines:  # the device path where it runs by default: every expert resident
+                engines["all-resident"].device_decode = "auto"
+                resident = profile_decode(engines["all-resident"], image, replay)
+                profiles.append({"engine": "every expert resident, device path", **resident})
+                print("profile", profiles[-1], flush=True)
         for e in engines.values():
             e.experts.pipeline.close()
         engines.clear()

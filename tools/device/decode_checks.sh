@@ -2,15 +2,16 @@
 # On the GPU server (device tool): decode on the device (docs/decode-on-device.md), in one call per mode, each
 # under 9 minutes, results under $OUT. Carry `.whl` (the transformers wheel we test against); for the replayed-
 # routing rows also carry `.carry` holding deepseek_v2_lite_chat_puffin_prefill_top6.npz (docs/benchmarks.md).
-#   bash tools/device/decode_checks.sh checks     the CUDA equivalence suite 10 times in a row (the stream-pool crash),
-#                                                 compute-sanitizer memcheck + racecheck on one case, decode_checks.py
+#   bash tools/device/decode_checks.sh checks     decode_checks.py, then the CUDA equivalence suite up to 10 times
+#                                                 in a row (the stream-pool crash)
+#   bash tools/device/decode_checks.sh sanitizer  compute-sanitizer memcheck + racecheck on the crash's case
 #   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
 #                                                 resident and 20 GiB with popularity, host path and device path,
 #                                                 transformers static cache and DynamicCache, unified-slots forced
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
-MODE=${1:?usage: decode_checks.sh checks|bench|bench-int4}
+MODE=${1:?usage: decode_checks.sh checks|sanitizer|bench|bench-int4}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -29,34 +30,33 @@ python3 -c 'import triton; print("triton", triton.__version__)' || echo "no trit
 
 case "$MODE" in
 checks)
-    echo "== CUDA equivalence suite, 10 runs in a row (stops early when time runs short; the count is in the log)"
+    echo "== decode checks (equivalence under the near-tie rule, host syncs per token, one MoE layer)"
+    timeout 170 python3 tools/device/decode_checks.py --out "$OUT/decode_checks.json" 2>&1 | grep "^\[" | tail -20
+    echo "== CUDA equivalence suite and the device token's CUDA test, up to 10 runs in a row (as time allows)"
     passed=0
     for i in $(seq 1 10); do
-        [ "$(left)" -lt 200 ] && { echo "stopping after $((i - 1)) runs: time"; break; }
-        if timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py -k cuda \
-            > "$OUT/cuda_suite_$i.log" 2>&1; then
+        [ "$(left)" -lt 60 ] && { echo "stopping after $((i - 1)) runs: time"; break; }
+        if timeout "$(( $(left) - 5 ))" python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py \
+            tests/test_device_decode.py -k cuda > "$OUT/cuda_suite_$i.log" 2>&1; then
             passed=$((passed + 1)); echo "run $i: pass ($(tail -1 "$OUT/cuda_suite_$i.log"))"
         else
-            echo "run $i: FAIL"; tail -30 "$OUT/cuda_suite_$i.log"
+            echo "run $i: FAIL or out of time"; tail -30 "$OUT/cuda_suite_$i.log"
         fi
     done
     echo "cuda suite: $passed runs clean" | tee "$OUT/cuda_suite_summary.txt"
-    echo "== decode checks (equivalence under the near-tie rule, host syncs per token, one MoE layer)"
-    timeout $(( $(left) - 90 )) python3 tools/device/decode_checks.py --out "$OUT/decode_checks.json" 2>&1 | tail -20
+    ;;
+sanitizer)
     echo "== compute-sanitizer on one case (the crash's: previous-token predictor, graphs, bf16)"
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
     CASE='test_cuda_slot_pool_matches_transformers and previous-token and dtype1'
-    if [ -n "$SAN" ]; then
-        for tool in memcheck racecheck; do
-            budget=$(( ($(left) - 5) / 2 )); [ "$tool" = racecheck ] && budget=$(( $(left) - 5 ))
-            timeout "$budget" "$SAN" --tool "$tool" --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider \
-                tests/test_engine_equivalence.py -k "$CASE" > "$OUT/sanitizer_$tool.log" 2>&1
-            echo "$tool: exit $? (0 clean, 3 errors found, 124 out of time); $(grep -c 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log") summaries"
-            grep "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT/sanitizer_$tool.log" | tail -3
-        done
-    else
-        echo "compute-sanitizer not found on this machine"
-    fi
+    [ -n "$SAN" ] || { echo "compute-sanitizer not found on this machine"; exit 1; }
+    for tool in memcheck racecheck; do
+        budget=$(( ($(left) - 5) / 2 )); [ "$tool" = racecheck ] && budget=$(( $(left) - 5 ))
+        timeout "$budget" "$SAN" --tool "$tool" --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider \
+            tests/test_engine_equivalence.py -k "$CASE" > "$OUT/sanitizer_$tool.log" 2>&1
+        echo "$tool: exit $? (0 clean, 3 errors found, 124 out of time)"
+        grep "ERROR SUMMARY\|RACECHECK SUMMARY\|passed\|failed" "$OUT/sanitizer_$tool.log" | tail -3
+    done
     ;;
 bench|bench-int4)
     MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
@@ -80,6 +80,6 @@ bench|bench-int4)
         --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
     ;;
 *)
-    echo "unknown mode $MODE: checks, bench or bench-int4"; exit 2 ;;
+    echo "unknown mode $MODE: checks, sanitizer, bench or bench-int4"; exit 2 ;;
 esac
 echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"
