@@ -62,4 +62,5 @@ class DeviceSampler:
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.knobs[1]  # the first always stays
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         race = torch.empty_like(sorted_probs).exponential_(generator=self.generator)
-        self.token.copy_(order[torch.argmax(sorted_probs / race)].view(1, 1))
+        # index_select, not order[argmax]: indexing by a 0-d CUDA tensor may read it on the host
+        self.token.copy_(order.index_select(0, torch.argmax(sorted_probs / race).view(1)).view(1, 1))
