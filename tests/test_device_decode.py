@@ -157,3 +157,51 @@ def test_cuda_device_token_matches_transformers(tmp_path: Path, images: list[Pat
     assert decoders and all(d.graphs for d in decoders)
     if budget == "25%":
         assert sum(d.redone for d in decoders) > 0  # misses redone on the per-layer path, tokens still equal
+
+
+def test_host_mirror_of_an_untransposed_checkpoint_is_mapped(checkpoints) -> None:
+    """ExpertTable.map_host: each mirrored expert's gate_up and down addresses inside the mirror's bytes; a
+    transposed (hub) checkpoint cannot be read in place and maps nothing."""
+    from vismmoe_edge.experts.table import ExpertTable
+    from vismmoe_edge.experts.tiers.host_mirror import HostMirror
+
+    for layout, expect_mapped in (("v5", True), ("hub", False)):
+        engine = vismmoe_edge.load(checkpoints[layout], memory_budget="100%", device="cpu", tier="host")
+        catalogue = engine.catalogue
+        keys = sorted(catalogue.experts)[:5]
+        mirror = HostMirror(catalogue, keys, pin=False)
+        table = ExpertTable(len(engine.language_model.layers), catalogue.num_experts, torch.device("cpu"))
+        mapped = table.map_host(mirror, catalogue, engine.dtype)
+        assert mapped == (len(keys) if expect_mapped else 0), layout
+        if expect_mapped:
+            assert table.host_addrs is not None
+            layer, expert = keys[2]
+            gate_up_bytes = catalogue.expert(layer, expert).parts[0].nbytes
+            assert int(table.host_addrs[layer, expert, 0]) == mirror.expert(keys[2]).data_ptr()
+            assert int(table.host_addrs[layer, expert, 1]) == mirror.expert(keys[2]).data_ptr() + gate_up_bytes
+            assert int((table.host_addrs[..., 0] != 0).sum()) == len(keys)
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
+    """Two experts in pool slots, one read in place from a slot-shaped host buffer, one absent and unmapped."""
+    pool, x = _pool(slots=3, inter=24, hidden=40, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    host_gate_up = torch.randn(24 * 2, 40, generator=g).to(torch.bfloat16)
+    host_down = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    record = torch.cat([host_gate_up.view(-1), host_down.view(-1)])  # one expert's bytes, as the mirror holds them
+    table = torch.full((6,), ABSENT, dtype=torch.int32)
+    table[[1, 4]] = torch.tensor([2, 0], dtype=torch.int32)
+    host_row = torch.zeros(6, 2, dtype=torch.int64)
+    host_row[3] = torch.tensor([record.data_ptr(), record.data_ptr() + host_gate_up.nbytes])
+    weights = torch.tensor([[0.5, 0.3, 0.2]])
+    out, missed = md.moe_decode(x, torch.tensor([[4, 3, 1]]), weights, table, pool, F.silu, host_row)
+    assert not bool(missed)
+    w_gate_up = torch.stack([pool.gate_up[0], host_gate_up, pool.gate_up[2]]).float()
+    w_down = torch.stack([pool.down[0], host_down, pool.down[2]]).float()
+    from vismmoe_edge.experts.pool_compute import gathered_experts
+
+    ref = gathered_experts(x.float(), w_gate_up, w_down, weights, F.silu)
+    assert torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, F.silu, host_row)
+    assert bool(missed)  # expert 5: in no slot and not mapped

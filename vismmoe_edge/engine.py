@@ -137,7 +137,9 @@ class Engine:
         # The whole decode token on the device (static_decode.StaticDecoder.token_step): "auto" (on CUDA where
         # every expert stays in the slot pool and nothing observes the routing as it happens), "on", "off".
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
-        self._decoders: dict[tuple[int, int, bool], StaticDecoder] = {}
+        # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
+        self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
+        self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -327,11 +329,12 @@ class Engine:
         routed_k = replay.trace.top_k if replay is not None else self.context.top_k
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
-        decoder = self._decoders.get((capacity, routed_k, on_device))
+        mapped = on_device and self.device_decode_mapped
+        decoder = self._decoders.get((capacity, routed_k, on_device, mapped))
         if decoder is None:
             graphs = self.cuda_graphs and self.device.type == "cuda"
-            decoder = self._decoders[(capacity, routed_k, on_device)] = StaticDecoder(
-                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device
+            decoder = self._decoders[(capacity, routed_k, on_device, mapped)] = StaticDecoder(
+                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped
             )
         decoder.start(state.cache)
         state.static = decoder

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.table import ExpertTable
-from vismmoe_edge.kernels.moe_decode import moe_decode
+from vismmoe_edge.kernels.moe_decode import moe_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
@@ -147,6 +147,7 @@ class StaticDecoder:
         *,
         graphs: bool,
         on_device: bool = False,
+        mapped: bool = False,
     ) -> None:
         self.engine = engine
         self.lm = engine.language_model
@@ -182,7 +183,7 @@ class StaticDecoder:
         self.routed = torch.cuda.Event() if on_gpu else None
         self.on_device = on_device
         if on_device:
-            self._init_on_device(routed_k, on_gpu)
+            self._init_on_device(routed_k, on_gpu, mapped)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync
@@ -242,12 +243,28 @@ class StaticDecoder:
         self.cache.advance()
 
     # ---- the whole token on the device (one graph) -----------------------------------------------------------
-    def _init_on_device(self, routed_k: int, on_gpu: bool) -> None:
+    def _init_on_device(self, routed_k: int, on_gpu: bool, mapped: bool) -> None:
         """Buffers of the device-side token: the expert table, the sampler, the routing to hand back, and under
-        trace replay the routing handed in."""
+        trace replay the routing handed in. `mapped`: read experts not in a slot from the pinned host mirror in
+        place, where the mirror and the kernels allow it (ExpertTable.map_host)."""
         layers = self.moe_layers = sorted(self.moe)
         num_experts = self.engine.catalogue.num_experts
         self.table = ExpertTable(len(self.lm.layers), num_experts, self.device)
+        self.mapped_experts = 0
+        tier = self.engine.experts.pipeline.tier
+        mirror = getattr(tier, "mirror", None)
+        if (
+            mapped
+            and on_gpu
+            and mirror is not None
+            and getattr(tier, "form", None) is None
+            and use_triton(tier.gate_up)
+        ):
+            self.mapped_experts = self.table.map_host(mirror, self.engine.catalogue, tier.gate_up.dtype)
+        if mapped and not self.mapped_experts:
+            warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "
+                          "host tier and an untransposed bf16/fp16 checkpoint): absent experts redo the token",
+                          stacklevel=2)  # fmt: skip
         self.sampler = DeviceSampler(self.logits.shape[0], self.device)
         self.routing = torch.zeros(len(layers), routed_k, dtype=torch.long, device=self.device)
         self.missed = torch.zeros(len(layers), dtype=torch.bool, device=self.device)
@@ -281,7 +298,8 @@ class StaticDecoder:
                 index, weights = self.replay_index[m : m + 1], self.replay_weights[m : m + 1]
             else:
                 _, weights, index = layer.mlp.gate(x)
-            out, missed = moe_decode(x, index, weights, self.table.slots[i], pool, self.moe[i].act_fn)
+            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
+            out, missed = moe_decode(x, index, weights, self.table.slots[i], pool, self.moe[i].act_fn, host_row)
             self.hidden.add_(out.view_as(self.hidden))
             self.routing[m].copy_(index[0])
             self.missed[m].copy_(missed)
