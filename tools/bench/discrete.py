@@ -228,7 +228,7 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True, device_decode: str = "off") -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool = False) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -237,6 +237,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         engine.cuda_graphs = graphs
         engine._decoders.clear()
     engine.device_decode = device_decode  # the whole token on the device: its routing reaches no route hook
+    engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -290,6 +291,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "expert_bytes": engine.catalogue.expert_bytes,
         "device_decode": bool(decoders),
         "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
+        "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
     }
 
 
@@ -457,7 +459,7 @@ def main() -> None:
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
-                    "device-resident, device-popularity, unified-slots, unified-registered, "
+                    "device-resident, device-popularity, device-mapped, unified-slots, unified-registered, "
                     "device-unified-slots, hf-static, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
@@ -465,7 +467,8 @@ def main() -> None:
     args = ap.parse_args()
     args.strategies_given = args.strategies is not None
     if args.strategies is None:
-        args.strategies = "all-resident,popularity,lru,graphs-off,learned,device-resident,device-popularity"
+        args.strategies = ("all-resident,popularity,lru,graphs-off,learned,device-resident,device-popularity,"
+                           "device-mapped")
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
     image = args.out_dir / "image-1056.png"
 
@@ -516,6 +519,7 @@ def main() -> None:
                 ("budget", "graphs-off", {"graphs": False}),
                 ("all-resident", "device-resident", {"device_decode": "auto"}),
                 ("budget", "device-popularity", {"device_decode": "on"}),
+                ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
             ]
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))

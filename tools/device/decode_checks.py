@@ -43,15 +43,18 @@ def _engine(model_dir: Path, budget: str, pinned_layers: int = 1):  # type: igno
     return engine
 
 
-def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str) -> dict:
+def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, *, mapped: bool = False) -> dict:
+    """`mapped`: experts not in a slot read in place from the pinned host tier (an untransposed checkpoint)."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from vismmoe_edge.sampling import SamplingConfig
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
 
-    model_dir = build_tiny_checkpoint(tmp / f"m-{dtype}".replace("torch.", ""), seed=5, dtype=dtype, layout="hub",
-                                      num_layers=8)  # fmt: skip
+    layout = "v5" if mapped else "hub"
+    model_dir = build_tiny_checkpoint(tmp / f"m-{dtype}-{layout}".replace("torch.", ""), seed=5, dtype=dtype,
+                                      layout=layout, num_layers=8)  # fmt: skip
     engine = _engine(model_dir, budget)
+    engine.device_decode_mapped = mapped
     ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
     ref = ref.to(DEVICE).eval()
     out: dict = {"prompts": {}}
@@ -76,6 +79,9 @@ def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str) 
     decoders = [d for d in engine._decoders.values() if d.on_device]
     out["tokens_redone"] = sum(d.redone for d in decoders)
     out["graphs"] = all(d.graphs for d in decoders)
+    out["mapped_experts"] = max((d.mapped_experts for d in decoders), default=0)
+    if mapped:  # every streamed expert is in the host tier: no token may miss
+        ok &= out["mapped_experts"] > 0 and out["tokens_redone"] == 0
     return {"ok": ok and bool(decoders), **out}
 
 
@@ -188,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             for budget in ("100%", "25%"):
                 checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
                     tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
+        checks.run("equivalence bf16 25% read in place from the host tier",
+                   lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
         checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
     checks.run("one MoE layer against its byte bound", moe_layer)
     args.out.write_text(json.dumps(checks.results, indent=1))
