@@ -205,3 +205,56 @@ def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
     assert torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, F.silu, host_row)
     assert bool(missed)  # expert 5: in no slot and not mapped
+
+
+class _InlineTier:
+    """A tier whose fetches only queue a copy (as from the pinned host tier): what promotion may use."""
+
+    name = "fake-inline"
+    slot_bytes = 100
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int, int]] = []
+
+    def can_fetch_inline(self, key) -> bool:  # type: ignore[no-untyped-def]
+        return True
+
+    def fetch(self, key, slot):  # type: ignore[no-untyped-def]
+        from vismmoe_edge.experts.store import ExpertWeights
+
+        return ExpertWeights(torch.zeros(1), torch.zeros(1))
+
+    def release(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        self.released.append(key)
+
+    def ready(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def done(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def read_bytes(self, key) -> int:  # type: ignore[no-untyped-def]
+        return 100
+
+
+def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows() -> None:
+    from vismmoe_edge.experts.pipeline import ExpertPipeline
+    from vismmoe_edge.experts.promotion import promote_host_reads
+    from vismmoe_edge.experts.table import ExpertTable
+
+    tier = _InlineTier()
+    pipeline = ExpertPipeline(tier, capacity=2, policy="lru")
+    try:
+        table = ExpertTable(2, 8, torch.device("cpu"))
+        assert pipeline.promote(1, 1) is not None and pipeline.promote(1, 2) is not None
+        assert pipeline.promote(1, 1) is None  # already in a slot
+        assert pipeline.promote(1, 3) is not None and tier.released == [(1, 1)]  # the oldest made room
+        assert set(pipeline.resident_slots()) == {(1, 2), (1, 3)}
+        table.sync(pipeline)
+        routing = torch.tensor([[3, 5, 6]])  # expert 3 read from its slot; 5 and 6 from the host tier
+        assert promote_host_reads(pipeline, table, [1], routing, limit=1) == 1  # the cap holds
+        assert set(table.arriving) == {(1, 5)}
+        table.sync(pipeline)  # on the CPU a fill has landed when the fetch returns: the table takes it at once
+        assert not table.arriving and int(table.slots[1, 5]) >= 0 and int(table.slots[1, 2]) == ABSENT
+    finally:
+        pipeline.close()

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.compute import OffloadedExperts
+from vismmoe_edge.experts.promotion import promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.moe_decode import moe_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
@@ -277,6 +278,7 @@ class StaticDecoder:
         self.host_replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, pin_memory=on_gpu)
         self.token_done = torch.cuda.Event() if on_gpu else None
         self.redone = 0  # tokens whose table lookup missed and that ran again through the per-layer path
+        self.promoted = 0  # experts brought into slots after tokens read them from the host tier
 
     def _token(self) -> None:
         """Embed, every layer with its experts read through the table, the head, the next token: no host."""
@@ -344,6 +346,8 @@ class StaticDecoder:
         self.host_length += 1
         for m, layer in enumerate(self.moe_layers):  # after the fact: the eviction order sees this token's use
             pipeline.touch(layer, self.out.routing[m].tolist())
+        if self.mapped_experts:  # experts read over the bus move into slots for later tokens
+            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, self.out.routing)
         return int(self.out.token), bool(self.out.finite)
 
     # ---- running them -----------------------------------------------------------------------------------------

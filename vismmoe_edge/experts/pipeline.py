@@ -323,6 +323,41 @@ class ExpertPipeline:
                 score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
                 self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + score + next(self._clock))
 
+    def promote(self, layer: int, expert: int) -> int | None:
+        """Bring an expert that device tokens read in place from the host tier into a slot, if a slot is free or
+        holds an expert worth less (popularity, then age, as eviction ranks them); returns its slot, or None.
+
+        Compute thread, between tokens. The fetch only queues a DMA from pinned memory (tiers that can fetch
+        inline); the slot's event marks its end, and the device table adds the expert only once that event has
+        completed (ExpertTable.sync), so no token reads a half-filled slot. The evicted expert stays readable
+        from the host tier meanwhile, which is why no token needs to wait.
+        """
+        key = (layer, expert)
+        inline = getattr(self.tier, "can_fetch_inline", None)
+        if key in self.pinned or inline is None or not inline(key):
+            return None
+        with self._lock:
+            if key in self._entries:
+                return None
+            score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+            priority = EXPIRED_BASE + score + next(self._clock)
+            taken = self._take_slot(for_demand=False, priority=priority)
+            if taken is None:
+                return None
+            slot, victim = taken
+            if victim is not None:
+                self.tier.release(victim, slot)
+            entry = self._entries[key] = Entry(key, State.EXPIRED, priority)
+            start = time.perf_counter()
+            entry.weights, entry.slot = self.tier.fetch(key, slot), slot
+            self._loaded_count += 1
+            self.stats.bytes_read += self.tier.read_bytes(key)
+            self.stats.fetch_seconds += time.perf_counter() - start
+            entry.loaded.set()  # for the per-layer path, which waits on the slot's event (tier.ready)
+            self._set_evictable(entry, State.EXPIRED, priority)
+            self._update_resident()
+        return slot
+
     def resident_keys(self) -> set[ExpertKey]:
         with self._lock:
             return {k for k, e in self._entries.items() if e.loaded.is_set()} | set(self.pinned)

@@ -34,6 +34,7 @@ class ExpertTable:
         self.slots = self.host.to(device)  # what the kernels read
         self.version = -1  # the pipeline residency version the device copy reflects
         self.host_addrs: torch.Tensor | None = None  # [layers, experts, 2] int64: gate_up and down, 0 = unmapped
+        self.arriving: dict[tuple[int, int], object] = {}  # promoted experts -> their slot's fill event (CUDA)
 
     def sync(self, pipeline: ExpertPipeline) -> bool:
         """Copy the pipeline's residency into the device table if it changed since the last sync; True if it did.
@@ -43,10 +44,13 @@ class ExpertTable:
         token have all landed before it returns (they were Required), so no slot changes hands after the sync.
         """
         version = pipeline.residency_version
-        if version == self.version:
+        landed = [key for key, event in self.arriving.items() if event is None or event.query()]  # type: ignore[attr-defined]
+        for key in landed:
+            del self.arriving[key]
+        if version == self.version and not landed:
             return False
         pipeline.drain()
-        resident = pipeline.resident_slots()
+        resident = {k: s for k, s in pipeline.resident_slots().items() if k not in self.arriving}
         self.host.fill_(ABSENT)
         if resident:
             keys = torch.tensor(list(resident), dtype=torch.long)
