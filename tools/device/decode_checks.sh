@@ -8,12 +8,14 @@
 #                                                 crash), each run's log kept
 #   bash tools/device/decode_checks.sh sanitizer  compute-sanitizer memcheck + racecheck on the crash's case
 #   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
-#                                                 resident and 20 GiB with popularity, host path and device path,
-#                                                 transformers static cache and DynamicCache, unified-slots forced
+#                                                 resident and 20 GiB with popularity, host path and device path
+#                                                 (slots only, and reading in place from the host tier), and
+#                                                 unified-slots forced on the device path; profiles of both paths
+#   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
-MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|bench|bench-int4}
+MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|bench|baselines|bench-int4}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -62,6 +64,13 @@ sanitizer)
         grep "ERROR SUMMARY\|RACECHECK SUMMARY\|passed\|failed" "$OUT/sanitizer_$tool.log" | tail -3
     done
     ;;
+baselines)
+    timeout $(( $(left) - 200 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    echo "== transformers every weight on the GPU: static cache (the reference), DynamicCache"
+    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+        --baselines-only --strategies hf-static,hf-resident --json "$OUT/discrete-baselines.json" 2>&1 \
+        | grep -v "^ *[\"{}\[]" | tail -20
+    ;;
 bench|bench-int4)
     MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
     timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
@@ -69,7 +78,7 @@ bench|bench-int4)
     [ -f .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz ] && REPLAY=(--replay-trace .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz)
     [ ${#REPLAY[@]} -eq 0 ] && echo "no .carry trace: sampled routing only"
     if [ "$MODE" = bench ]; then
-        STRATS=device-resident,all-resident,device-mapped,device-popularity,popularity,device-unified-slots,hf-static,hf-resident
+        STRATS=device-resident,all-resident,device-mapped,device-popularity,popularity,device-unified-slots
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"
@@ -84,6 +93,6 @@ bench|bench-int4)
         --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
     ;;
 *)
-    echo "unknown mode $MODE: checks, suite, sanitizer, bench or bench-int4"; exit 2 ;;
+    echo "unknown mode $MODE: checks, suite, sanitizer, bench, baselines or bench-int4"; exit 2 ;;
 esac
 echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"

@@ -103,7 +103,9 @@ def gemv_at(addrs: torch.Tensor, v: torch.Tensor, n: int, dtype: torch.dtype) ->
 
 
 def use_triton(w: torch.Tensor) -> bool:
-    return HAS_TRITON and (w.is_cuda or INTERPRET) and w.dtype in (torch.bfloat16, torch.float16)
+    """The kernels read rows of contiguous columns: a transposed pool view (hub-layout unified slots) cannot."""
+    dtype_ok = w.dtype in (torch.bfloat16, torch.float16) and w.stride(-1) == 1
+    return HAS_TRITON and (w.is_cuda or INTERPRET) and dtype_ok
 
 
 def fused_decode(
