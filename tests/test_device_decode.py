@@ -41,6 +41,7 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str)
         assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
     (decoder,) = engine._decoders.values()
     assert decoder.on_device
+    assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
     tokens = len(references) * (NEW_TOKENS - 1)
     pipeline = engine.experts.pipeline
     if budget == "25%":  # misses: tokens redone through the per-layer path, and still transformers' tokens

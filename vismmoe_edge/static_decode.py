@@ -338,8 +338,7 @@ class StaticDecoder:
         if bool(self.out.missed.any()):
             self.redone += 1
             self.cache.lengths -= 1  # the token's K/V are rewritten at the same position
-            self.host_length -= 1
-            logits = self.step(token, position)
+            logits = self.step(token, position)  # counts the token in host_length
             self.sampler.choose(logits)
             finite = bool(torch.isfinite(logits).all())
             return int(self.sampler.token), finite
