@@ -22,7 +22,7 @@ def quantize_command(
     out: Annotated[Path, typer.Argument(help="new directory to write (must not exist, or be empty)")],
     bits: Annotated[int, typer.Option("--bits", help="4 (group-wise) or 8 (per output channel)")],
     group_size: Annotated[
-        int | None, typer.Option("--group-size", min=2, help="int4 only: inputs per scale and zero (default 128)")
+        int | None, typer.Option("--group-size", min=2, help="int4 only: inputs per scale and zero (default 128, or the largest that divides both expert widths)")
     ] = None,
     layout: Annotated[str, typer.Option("--layout", help=LAYOUT_HELP)] = "auto",
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="e.g. 4GB or 2GiB")] = "4GB",
@@ -45,6 +45,8 @@ def quantize_command(
         raise fail("interrupted; nothing was written to OUT", 130) from None
     spec = catalogue.spec
     group = f"group {spec.quant.group_size}" if bits == 4 else "per output channel"
+    if bits == 4 and group_size is None:
+        group += f" (picked: divides hidden {spec.hidden} and moe_intermediate {spec.inter}; --group-size to choose)"
     typer.echo(
         f"{written}: int{bits}, {group}, layout {spec.quant.layout}: {format_bytes(spec.nbytes)} per expert "
         f"({spec.nbytes / spec.dense_nbytes_bf16:.3f}x bf16), {len(catalogue.experts)} experts, "

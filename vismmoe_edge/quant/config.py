@@ -19,6 +19,7 @@ docs/quantization.md describes the tensors; record.py computes their shapes from
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ QUANT_METHOD = "vismmoe"
 FORMAT_VERSION = 1
 QUANTIZED_MODULES = ("routed_experts",)
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm` (CPU and CUDA) accepts
+DEFAULT_INT4_GROUP = 128
 RECORD_FIELDS = {
     4: ("gate_up_proj.qweight", "gate_up_proj.scales_zeros", "down_proj.qweight", "down_proj.scales_zeros"),
     8: ("gate_up_proj.qweight", "gate_up_proj.scales", "down_proj.qweight", "down_proj.scales"),
@@ -64,6 +66,22 @@ class QuantConfig:
             "expert_record": list(self.record),
             "source": dict(self.source),
         }
+
+
+def pick_group_size(hidden: int, inter: int) -> int:
+    """The int4 group when --group-size is not given: it must divide both matrices' inputs (hidden for gate_up,
+    moe_intermediate for down). 128 if it does, else the largest kernel group that does (the fast path), else
+    the largest even divisor of both up to 128 (correct, through the dequantizing fallback)."""
+    for g in (DEFAULT_INT4_GROUP, *sorted((g for g in KERNEL_GROUP_SIZES if g < DEFAULT_INT4_GROUP), reverse=True)):
+        if hidden % g == 0 and inter % g == 0:
+            return g
+    common = math.gcd(hidden, inter)
+    for g in range(min(common, DEFAULT_INT4_GROUP), 1, -1):
+        if common % g == 0 and g % 2 == 0:
+            return g
+    raise VismmoeError(
+        f"hidden {hidden} and moe_intermediate {inter} share no even divisor: int4 groups cannot fit (use --bits 8)"
+    )
 
 
 def make_config(bits: int, group_size: int | None, layout: str, source: dict[str, Any] | None = None) -> QuantConfig:
