@@ -16,14 +16,14 @@ LAYOUT_HELP = (
     "cpu_b32_split (AVX2), cpu_b16_pairs (Jetson Orin, NEON), cpu_b32_pairs"
 )
 
+GROUP_HELP = "int4 only: inputs per scale and zero (default 128, or the largest group that divides both expert widths)"
+
 
 def quantize_command(
     src: Annotated[Path, typer.Argument(help="model directory: bf16/fp32, FP8 (block 128), W4A16 or AWQ GEMM")],
     out: Annotated[Path, typer.Argument(help="new directory to write (must not exist, or be empty)")],
     bits: Annotated[int, typer.Option("--bits", help="4 (group-wise) or 8 (per output channel)")],
-    group_size: Annotated[
-        int | None, typer.Option("--group-size", min=2, help="int4 only: inputs per scale and zero (default 128, or the largest that divides both expert widths)")
-    ] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", min=2, help=GROUP_HELP)] = None,
     layout: Annotated[str, typer.Option("--layout", help=LAYOUT_HELP)] = "auto",
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="e.g. 4GB or 2GiB")] = "4GB",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
