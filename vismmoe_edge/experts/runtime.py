@@ -14,7 +14,7 @@ from vismmoe_edge.experts.tiers.registry import resolve_auto, tier_kind
 from vismmoe_edge.units import format_bytes
 
 # Layers of top-k experts that predictions may have in flight when no plan set a depth: two, the bound peers
-# found before speculative bytes start to slow demand misses (peers.md 6.3).
+# found before speculative bytes start to slow demand misses (docs/platform-facts.md §5.3).
 DEFAULT_PREFETCH_DEPTH = 2
 
 
@@ -70,8 +70,8 @@ def build_runtime(
         tier_impl,
         capacity=max(slots, 1),
         pinned=pinned,
-        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): the plan's prefetch
-        # depth in layers of top-k experts, never more than a quarter of the cache.
+        # Speculative bytes in flight spend the bandwidth demand misses need (platform-facts.md §5.3): the plan's
+        # prefetch depth in layers of top-k experts, never more than a quarter of the cache.
         speculative_cap_bytes=min(speculative_experts, slots // 4) * tier_impl.slot_bytes,
         io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,

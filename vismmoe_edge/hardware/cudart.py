@@ -3,7 +3,7 @@
 torch.cuda.cudart() exposes cudaHostRegister/Unregister but neither cudaDeviceGetAttribute nor
 cudaHostGetDevicePointer, so this binds the very libcudart that torch loaded (found in /proc/self/maps once
 torch has initialised CUDA), which shares torch's primary context. Importing this module loads nothing.
-Attribute numbers and flags: notes/linux-io.md §10.1 and cuda_runtime_api.h.
+Attribute numbers and flags: docs/platform-facts.md §2.1 and cuda_runtime_api.h.
 """
 
 from __future__ import annotations

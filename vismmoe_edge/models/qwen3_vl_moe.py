@@ -2,8 +2,8 @@
 
 The skeleton is transformers' `Qwen3VLMoeForConditionalGeneration` with parameters on the meta device; each
 MoE layer's `mlp.experts` is swapped for `OffloadedExperts`, so routed experts are never allocated. The
-processor is `Qwen3VLProcessor` without its video processor (which needs torchvision; notes/transformers-vlmoe.md
-§4.4). Qwen adds DeepStack features to the hidden states after the first decoder layers.
+processor is `Qwen3VLProcessor` without its video processor (which needs torchvision;
+platform-facts.md §4.1). Qwen adds DeepStack features to the hidden states after the first decoder layers.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ activations, reads in flight) and keep room for one layer's top-k experts in the
     depth = min(profile depth, cache // (k * S_e) - 1), 0 when nothing streams
 
 L stays at its semantic minimum because the compressor cuts visual tokens after the pinned prefix
-(notes/architecture.md): a deeper prefix runs more layers on every visual token, and memory given to the
+(README.md, How it works): a deeper prefix runs more layers on every visual token, and memory given to the
 cache instead follows the routing's skew.
 """
 
@@ -106,7 +106,8 @@ def _m_avail(
         if mem_available is not None:
             available, source = mem_available, "MemAvailable (given)"
         else:
-            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
+            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin
+            # (platform-facts.md §1.7).
             available = system.mem_available_bytes(root)
             source = f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
         headroom = None if cgroup is None else cgroup.headroom_bytes

@@ -5,12 +5,12 @@ A fetch (demand, or a prediction the pipeline queued) hints the expert's byte ra
 MADV_WILLNEED and waits for them (mincore, then a pread of any page the hint left out; a pread pool where mincore
 would lie), then pins them for the GPU with cudaHostRegister(READ_ONLY). An eviction waits on the slot's `freed`
 event, unregisters, and drops the pages (MADV_DONTNEED + POSIX_FADV_DONTNEED): registered pages cannot be
-dropped (linux-io.md §10.2), unregistered ones can.
+dropped (docs/platform-facts.md §2.2), unregistered ones can.
 
 Only MAP_SHARED + PROT_READ + READ_ONLY avoids an anonymous copy of every page (a MAP_PRIVATE mapping is
-COW-copied when pinned, and READ_ONLY on it hung: §10.4); pagecache.MappedFile maps exactly that. Where the
-device refuses (attribute 99 or 113 = 0, pre-Orin boards, a kernel that forbids the pin) the factory
-(`make`, below) falls back to the slot tier with one line.
+COW-copied when pinned, and READ_ONLY on it hung: platform-facts.md §2.2); pagecache.MappedFile maps exactly that.
+Where the device refuses (attribute 99 or 113 = 0, pre-Orin boards, a kernel that forbids the pin) the
+factory (`make`, below) falls back to the slot tier with one line.
 
 cudaHostRegister refuses overlapping ranges, and two experts' byte ranges often share a page. So a part's page
 span is registered as up to three segments, its first page, its interior and its last page, reference-counted:
@@ -237,7 +237,8 @@ class UnifiedRegisteredTier:
 
 def mapping_anonymous_bytes(path: Path, smaps: str | None = None) -> int | None:
     """`Anonymous:` bytes of this process's mappings of `path` (/proc/self/smaps): the private copies a pin of a
-    MAP_PRIVATE mapping makes (§10.4); 0 for what this tier registers. None when `path` is not mapped."""
+    MAP_PRIVATE mapping makes (platform-facts.md §2.2); 0 for what this tier registers. None when `path` is not
+    mapped."""
     text = Path("/proc/self/smaps").read_text() if smaps is None else smaps
     target, total, inside = str(Path(path).resolve()), None, False
     for line in text.splitlines():

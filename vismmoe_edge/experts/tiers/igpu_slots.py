@@ -1,7 +1,7 @@
 """Expert slots in pinned, GPU-mapped host memory, filled by exact-range reads and read in place by the GPU.
 
 For a Jetson Orin: the iGPU shares the DRAM with the CPU and the page cache, cannot read pageable or mmapped
-memory, and has no GPUDirect Storage (notes/linux-io.md §10-11). So the slot pool (one `[slots, 2I, H]` and one
+memory, and has no GPUDirect Storage (docs/platform-facts.md §2-§3.1). So the slot pool (one `[slots, 2I, H]` and one
 `[slots, H, I]` tensor, pinned prefix included, as slots.py lays it out for experts/pool_compute.py) lives in
 host memory registered with CUDA (host_memory.py), and its tensors are CUDA views of that memory: the batched
 expert kernels read the slots where the reads left them. A miss is a pread (O_DIRECT where aligned) of the
