@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
 
 from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
@@ -58,11 +59,12 @@ def load_qwen3_vl_processor(model_dir: Path) -> ImageOnlyProcessor:
 class Qwen3VLMoeOps(MRopeOps):
     model_type = "qwen3_vl_moe"
     supports_compression = True
+    static_decode = True  # norm, attention, norm, routed experts: StaticDecoder's layer body
 
     def saliency(self, model: Any, grid: torch.Tensor) -> SaliencyCapture:
         from vismmoe_edge.compress.saliency import VisionSaliency
 
-        return VisionSaliency(model.model.visual)
+        return VisionSaliency(model.model.visual, rotary=apply_rotary_pos_emb_vision)
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
         vision = model.model.get_image_features(pixel_values, grid)
