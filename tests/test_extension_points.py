@@ -92,3 +92,67 @@ def test_a_family_from_a_test_module_loads_quantizes_and_plans(throwaway_checkpo
 
     plan = make_plan(ours, get_profile("cpu"), mem_available=2**30, c_safe=0, cgroup=None)
     assert plan.moe_layers == 2 and plan.memory_budget_bytes > 0 and plan.tier == "unified"
+
+
+THROWAWAY_TIER = '''
+"""A tier this package does not know: every fetch a fresh copy from the store, counted."""
+from vismmoe_edge.experts.pipeline import TierDefaults
+
+CALLS = {"fetch": 0, "after_load": 0}
+
+
+class CountingTier(TierDefaults):
+    name = "throwaway"
+
+    def __init__(self, store, slots):
+        self.store = store
+        self.slot_bytes = store.expert_nbytes()
+
+    def fetch(self, key, slot):
+        CALLS["fetch"] += 1
+        return self.store.load(*key)
+
+    def read_bytes(self, key):
+        return self.slot_bytes
+
+    def ready(self, key, slot):
+        pass
+
+    def done(self, key, slot):
+        pass
+
+    def release(self, key, slot):
+        pass
+
+    def after_load(self, files, table, catalogue, pinned_layers):
+        CALLS["after_load"] += 1
+
+
+def make(store, slots, *, pinned=0, mirror=None):
+    return CountingTier(store, slots)
+'''
+
+
+def test_a_tier_from_a_test_module_is_selected_with_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoints: dict[str, Path]
+) -> None:
+    import importlib
+
+    from typer.testing import CliRunner
+
+    from vismmoe_edge.cli import app
+    from vismmoe_edge.experts.tiers import registry as tiers
+
+    (tmp_path / "throwaway_tier.py").write_text(THROWAWAY_TIER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tiers, "TIERS", dict(tiers.TIERS))
+    tiers.register(tiers.TierKind("throwaway", "a fresh copy per fetch", "throwaway_tier", "host"))
+    calls = importlib.import_module("throwaway_tier").CALLS
+
+    argv = ["run", "--model", str(checkpoints["v5"]), "--prompt", "Hello", "--max-new-tokens", "3", "--device", "cpu",
+            "--memory-budget", "30%", "--pinned-layers", "0", "--tier", "throwaway", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["token_ids"]
+    assert calls["fetch"] > 0 and calls["after_load"] == 1
+    assert "throwaway (a fresh copy per fetch)" in tiers.tier_help()

@@ -297,7 +297,7 @@ class Engine:
         pipeline = self.experts.pipeline
         streams = len(pipeline.pinned) < len(self.catalogue.experts)
         room = pipeline.capacity >= self.context.top_k or not streams
-        has_pool = getattr(pipeline.tier, "pool", None) is not None and room
+        has_pool = pipeline.tier.pool is not None and room
         if self.static_decode == "off" or not has_pool or not self.ops.static_decode:
             return False
         return self.static_decode == "on" or self.device.type == "cuda"

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from vismmoe_edge.checkpoint import ExpertCatalogue
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
@@ -38,27 +36,6 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
         if isinstance(value, list) and value:
             return [int(v) for v in value]
     return []
-
-
-def drop_unneeded_pages(files: ShardFiles, table: dict, catalogue: ExpertCatalogue, pinned: set[int]) -> None:
-    """Give back the page cache that loading filled: the non-expert weights now live in our own memory, and
-    fault read-around pulled in streamed experts nobody asked for. Unified memory counts page cache against
-    the same DRAM, and a cgroup counts it against the process."""
-    files.close()  # unmapped pages are the only ones POSIX_FADV_DONTNEED can drop
-    ranges = [(i.shard, i.offset, i.nbytes) for n, i in table.items() if n not in catalogue.tensor_names]
-    for loc in catalogue.experts.values():
-        if loc.layer not in pinned:
-            ranges += [(p.shard, p.offset, p.nbytes) for p in loc.parts]
-    fds: dict[Path, int] = {}
-    try:
-        for shard, offset, nbytes in ranges:
-            fd = fds.get(shard)
-            if fd is None:
-                fd = fds[shard] = os.open(shard, os.O_RDONLY)
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
 
 
 def load(
@@ -123,12 +100,7 @@ def load(
         host_tier=host_tier,
     )
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
-    tier = runtime.pipeline.tier
-    if tier.name in ("unified", "mmap"):
-        drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
-    elif tier.name in ("unified-slots", "unified-registered"):  # the integrated-GPU tiers need no page cache
-        files.close()  # mapped pages cannot be dropped
-        tier.drop_page_cache({t.shard for t in table.values()})  # type: ignore[attr-defined]
+    runtime.pipeline.tier.after_load(files, table, catalogue, set(moe_layers[:pinned_layers]))
     on_gpu = torch_device.type == "cuda"
     attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
     return Engine(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tqdm.auto import tqdm
-
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
 from vismmoe_edge.experts.pipeline import ExpertPipeline
@@ -56,15 +54,8 @@ def build_runtime(
         mirror = HostMirror(store.catalogue, [(layer, e) for layer in streamed for e in range(num_experts)])
         mirror.fill()
     tier_impl = kind.build(store, max(slots, 1), pinned=len(keys), mirror=mirror)
-    lock_report = None
-    pin = getattr(tier_impl, "pin", None)
-    if pin is not None:  # the slot pool's own slots; unified memory: the page cache, mlocked where allowed
-        pinned, lock_report = pin(keys)
-    else:
-        pinned = {
-            k: store.load(*k)
-            for k in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
-        }
+    # The slot pool's own slots; unified memory: the page cache, mlocked where allowed; else ordinary tensors.
+    pinned, lock_report = tier_impl.pin(keys)
 
     pipeline = ExpertPipeline(
         tier_impl,

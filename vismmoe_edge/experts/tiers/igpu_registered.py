@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, ExpertPart, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
-from vismmoe_edge.experts.pipeline import Tier
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.pipeline import Tier, TierDefaults
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.experts.tiers.host_memory import DeviceArray
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
@@ -120,7 +119,7 @@ class SegmentRegistry:
         return freed
 
 
-class UnifiedRegisteredTier:
+class UnifiedRegisteredTier(TierDefaults):
     name = "unified-registered"
 
     def __init__(
@@ -219,9 +218,13 @@ class UnifiedRegisteredTier:
             mf = self.shards.files[shard]
             pagecache.release(mf, [(offset, min(length, mf.size - offset))], "dontneed")
 
-    def drop_page_cache(self, shards: Iterable[Path]) -> None:
-        """After loading: what loading left in the page cache goes; registered pages (the prefix) stay."""
-        drop_whole_files(shards)
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        """Nothing of the shards is read through the page cache any more: close the loader's mappings (mapped
+        pages cannot be dropped) and drop the files' pages; registered pages (a registered prefix) stay."""
+        files.close()
+        drop_whole_files({t.shard for t in table.values()})
 
     def close(self) -> None:
         for slot in list(self._held):
