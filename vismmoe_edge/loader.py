@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
-from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
+from vismmoe_edge.config import budget_bytes, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import POLICIES
@@ -41,7 +41,7 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
 def load(
     model_dir: str | Path | CheckpointInfo | None = None,
     *,
-    memory_budget: str = "100%",
+    memory_budget: str | int = "100%",
     pinned_layers: int = 0,
     device: str = "auto",
     dtype: str = "auto",
@@ -55,8 +55,8 @@ def load(
 
     model_dir: a Hugging Face model directory (or what `inspect_checkpoint` read of one); None uses the built-in
         demo model.
-    memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
-        of all routed-expert bytes at the compute dtype.
+    memory_budget: bytes of expert weights kept in memory (pinned prefix + cache): an int (bytes), "2GiB", or
+        "40%" of all routed-expert bytes at the compute dtype (config.budget_bytes).
     pinned_layers: the first N MoE layers keep all their experts resident.
     tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, managed:
         for Jetson and CPU hosts), "mmap" (the page cache, unmanaged: a baseline), "auto" (gpu on CUDA, else
@@ -88,8 +88,7 @@ def load(
     context = StepContext(moe_layers, catalogue.num_experts, info.top_k)
     files = ShardFiles()
     store = ExpertStore(catalogue, files, torch_dtype, torch_device)
-    total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
-    budget = parse_budget(memory_budget, total_expert_bytes)
+    budget = budget_bytes(memory_budget, catalogue, torch_dtype)
     runtime = build_runtime(
         store,
         budget_bytes=budget,

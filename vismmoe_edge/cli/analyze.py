@@ -64,7 +64,7 @@ def analyze_command(
         options = load_options(locals(), predictor="none")  # the demand compressors cause, not a predictor's
         resolved = resolve(options, checkpoint)
         memory_budget, pinned_layers, tier, plan_note = (
-            resolved.memory_budget, resolved.pinned_layers, resolved.tier, resolved.note
+            resolved.memory_budget_bytes, resolved.pinned_layers, resolved.tier, resolved.note
         )  # fmt: skip
         results = []
         for config in configs:  # a fresh engine each: every compressor starts from the same cold cache

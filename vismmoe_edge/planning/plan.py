@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
+from vismmoe_edge.config import cache_expert_bytes
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
@@ -151,18 +154,23 @@ def make_plan(
     profile_reason: str = "",
     gpu: GpuAccess | None = None,
     cgroup: CgroupMemory | None | str = DETECT,
+    dtype: torch.dtype | None = None,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
     (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value. ``gpu``: the CUDA
     device experts may be computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read
-    this process's under ``root``; None: ignore cgroups)."""
+    this process's under ``root``; None: ignore cgroups). ``dtype``: the compute dtype experts are cached at (None:
+    the checkpoint's), so that the plan counts what the loader's cache holds."""
     from vismmoe_edge.planning.describe import describe_checkpoint
 
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     d = describe_checkpoint(checkpoint)
     n, k, e = d["moe_layers"], d["top_k"], d["experts_per_layer"]
-    s_e, s_layer = d["bytes_per_expert"], d["expert_bytes_per_layer"]
+    s_e, s_layer, sized_at = d["bytes_per_expert"], d["expert_bytes_per_layer"], f"the checkpoint dtype {d['dtype']}"
+    if dtype is not None and checkpoint.catalogue.quant is None:
+        s_e = cache_expert_bytes(checkpoint.catalogue, dtype)
+        s_layer, sized_at = s_e * e, f"the compute dtype {str(dtype).removeprefix('torch.')}"
     device, tier, tier_why = placement(profile, gpu)
     parts = runtime_parts(checkpoint, device=device)
     resident = parts.language_weights_bytes + parts.vision_weights_bytes
@@ -191,7 +199,7 @@ def make_plan(
         f"estimate), IO = {format_bytes(parts.io_in_flight_bytes)} of reads in flight: subtracted",
         f"M_e = M_avail - C_safe - R - KV - A - IO = {format_bytes(m_e)} for expert weights",
         f"S_layer = {e} experts x {format_bytes(s_e)} = {format_bytes(s_layer)} per MoE layer ({n} MoE layers, "
-        f"top-{k}; sizes at the checkpoint dtype {d['dtype']})",
+        f"top-{k}; sizes at {sized_at})",
     ]
     if m_e < one_layer_topk:
         where = "raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory"

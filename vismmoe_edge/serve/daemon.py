@@ -147,7 +147,7 @@ class Service:
                 log.warning("plan: %s", warning)
             log.info("%s", resolved.note)
         self.settings = {
-            "memory_budget": resolved.memory_budget,
+            "memory_budget": resolved.memory_budget_bytes,
             "pinned_layers": resolved.pinned_layers,
             "tier": resolved.tier,
             "prefetch_depth": resolved.prefetch_depth,
