@@ -9,10 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # What users read: code, profiles, docs. Recorded run outputs (docs/results/*.json, training logs, the demo
 # model's training.json) are verbatim records of where a run read its data, not citations, and stay as written.
-SCANNED = (
-    [*ROOT.glob("vismmoe_edge/**/*.py"), *ROOT.glob("vismmoe_edge/**/*.toml"), *ROOT.glob("docs/**/*.md")]
-    + [*ROOT.glob("profiles/*"), ROOT / "README.md"]
-)
+SCANNED = [*ROOT.glob("vismmoe_edge/**/*.py"), *ROOT.glob("vismmoe_edge/**/*.toml"), *ROOT.glob("docs/**/*.md")] + [
+    *ROOT.glob("profiles/*"),
+    ROOT / "README.md",
+]
 OUTPUT_NAMES = {"analysis.md"}  # a file `vismmoe-edge analyze` writes, not a citation
 MD_REF = re.compile(r"(?<![\w/.-])((?:\.\./)?[\w./-]*[\w-]+\.md)\b")
 FORBIDDEN = re.compile(

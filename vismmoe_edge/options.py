@@ -10,17 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
-from vismmoe_edge.config import budget_bytes, resolve_device, resolve_dtype
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
 from vismmoe_edge.experts.tiers.registry import AUTO, tier_kind
 from vismmoe_edge.units import format_bytes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the checkpoint readers load with the model, not with the options (serve --help)
     import torch
 
-    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.checkpoint_info import CheckpointInfo
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.engine import Engine
     from vismmoe_edge.hardware.gpu_access import GpuAccess
     from vismmoe_edge.hardware.profiles import Profile
@@ -75,6 +73,9 @@ def resolve(
     A fixed --memory-budget with no --pinned-layers pins no deeper than fits in that budget, with room left for
     one streamed expert.
     """
+    from vismmoe_edge.config import budget_bytes
+    from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+
     o = options
     if o.host_tier not in ("auto", "on", "off"):
         raise VismmoeError(f"--host-tier {o.host_tier!r}: use auto, on or off")
@@ -126,6 +127,8 @@ def resolve(
 
 def compute_dtype(options: LoadOptions, checkpoint: CheckpointInfo, device: str) -> torch.dtype:
     """The dtype experts are cached at on `device` (--dtype, else the checkpoint's): what budgets are counted in."""
+    from vismmoe_edge.config import resolve_device, resolve_dtype
+
     return resolve_dtype(options.dtype, checkpoint.stored_dtype, resolve_device(device))
 
 
@@ -218,6 +221,8 @@ def load_engine(
     gpu_free: int | None = None,
 ) -> tuple[Engine, ResolvedOptions]:
     """Inspect the checkpoint once, resolve the options against it, load, and set compression."""
+    from vismmoe_edge.checkpoint_info import as_checkpoint_info
+
     checkpoint = as_checkpoint_info(model)
     resolved = resolve(options, checkpoint, mem_available=mem_available, gpu_free=gpu_free)
     return load_resolved(checkpoint, options, resolved), resolved

@@ -92,7 +92,7 @@ def simulated_integrated(**overrides: Any) -> GpuAccess:
     return replace(base, **overrides)
 
 
-def _flag(rt: cudart.CudaRuntime | None, attr: int, index: int) -> bool | None:
+def _flag(rt: cudart.Runtime | None, attr: int, index: int) -> bool | None:
     value = None if rt is None else rt.attribute(attr, index)
     return None if value is None else bool(value)
 
@@ -106,7 +106,7 @@ def probe(index: int = 0) -> GpuAccess | None:
     props = torch.cuda.get_device_properties(index)
     torch.cuda.init()  # so that the libcudart torch uses is mapped and found first
     try:
-        rt: cudart.CudaRuntime | None = cudart.runtime()
+        rt: cudart.Runtime | None = cudart.runtime()
         source = f"cudaDeviceGetAttribute via {rt.path}"  # type: ignore[union-attr]
     except cudart.CudaRuntimeUnavailable as e:
         rt, source = None, f"torch only; {e}"

@@ -47,7 +47,7 @@ class DeviceArray:
 class HostMemory:
     """`nbytes` (rounded up to pages) of zeroed host memory; `address` is its first byte on the CPU."""
 
-    def __init__(self, nbytes: int, *, runtime: cudart.CudaRuntime | None = None, device_index: int = 0) -> None:
+    def __init__(self, nbytes: int, *, runtime: cudart.Runtime | None = None, device_index: int = 0) -> None:
         self.nbytes = max(PAGE_SIZE, nbytes + (-nbytes) % PAGE_SIZE)
         self.runtime = runtime
         self.device_index = device_index

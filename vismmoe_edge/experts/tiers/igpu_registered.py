@@ -65,7 +65,7 @@ class SegmentRegistry:
     """Reference-counted READ_ONLY registrations of segments; a segment is registered once, however many parts
     hold it, and unregistered when the last lets go."""
 
-    def __init__(self, runtime: cudart.CudaRuntime, address_of: dict[Path, int]) -> None:
+    def __init__(self, runtime: cudart.Runtime, address_of: dict[Path, int]) -> None:
         self.runtime = runtime
         self.address_of = address_of  # shard -> base address of its mapping
         self.counts: dict[Segment, int] = {}
@@ -123,7 +123,7 @@ class UnifiedRegisteredTier(TierDefaults):
     name = "unified-registered"
 
     def __init__(
-        self, store: ExpertStore, slots: int, *, runtime: cudart.CudaRuntime, pinned: int = 0, threads: int = 8
+        self, store: ExpertStore, slots: int, *, runtime: cudart.Runtime, pinned: int = 0, threads: int = 8
     ) -> None:
         self.shards = MappedShards(store, random_access=True)  # MAP_SHARED, PROT_READ; refuses a dtype change
         drop_whole_files(self.shards.files)  # the header reads' readahead: large folios and readahead marks

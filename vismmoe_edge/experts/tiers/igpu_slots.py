@@ -56,7 +56,7 @@ class UnifiedSlotTier(TierDefaults):
         slots: int,
         *,
         pinned: int = 0,
-        runtime: cudart.CudaRuntime | None = None,
+        runtime: cudart.Runtime | None = None,
         direct: bool = True,
         reader: Reader = default_reader,
     ) -> None:
