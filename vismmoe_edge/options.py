@@ -126,10 +126,16 @@ def resolve(
 
 
 def compute_dtype(options: LoadOptions, checkpoint: CheckpointInfo, device: str) -> torch.dtype:
-    """The dtype experts are cached at on `device` (--dtype, else the checkpoint's): what budgets are counted in."""
-    from vismmoe_edge.config import resolve_device, resolve_dtype
+    """The dtype experts are cached at on `device` (--dtype, else the checkpoint's): what budgets are counted in.
+    Only the device's type matters here (a plan may be for a board's GPU this machine lacks)."""
+    import torch
 
-    return resolve_dtype(options.dtype, checkpoint.stored_dtype, resolve_device(device))
+    from vismmoe_edge.config import resolve_dtype
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device("cuda" if device.startswith("cuda") else "cpu")
+    return resolve_dtype(options.dtype, checkpoint.stored_dtype, kind)
 
 
 def resolve_host_tier(
