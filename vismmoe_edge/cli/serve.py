@@ -165,22 +165,14 @@ def install_service_command(
         Path | None,
         typer.Option("--model", help="model directory the daemon serves; omit for the built-in (random) demo model"),
     ] = None,
-    memory_budget: Annotated[
-        str, typer.Option("--memory-budget", help="expert bytes in memory: auto (plan), 6GiB or 40%")
-    ] = "auto",
-    pinned_layers: Annotated[
-        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
-    ] = None,
-    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
-    predictor: Annotated[
-        str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
-    ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="popularity or lru")] = "popularity",
-    compressor: Annotated[
-        str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
-    ] = "none",
-    keep_ratio: Annotated[float, typer.Option("--keep-ratio", help="share of visual tokens kept")] = 0.7,
-    profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
+    memory_budget: BudgetOpt = "auto",
+    pinned_layers: PinnedOpt = None,
+    tier: TierOpt = "auto",
+    predictor: PredictorOpt = "auto",
+    policy: PolicyOpt = "popularity",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    profile: ProfileOpt = "auto",  # auto follows the board's power mode
     listen: Annotated[str, typer.Option("--listen", help="unix:PATH or HOST:PORT")] = DEFAULT_LISTEN,
     user: Annotated[str, typer.Option("--user", help="service user; it should own the model files")] = "vismmoe",
     group: Annotated[str | None, typer.Option("--group", help="service group (default: same as --user)")] = None,
