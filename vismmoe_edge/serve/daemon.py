@@ -309,15 +309,12 @@ def visual_token_estimator(processor: Any) -> Any:
     return estimate
 
 
-class Terminate(BaseException):
-    """Raised by SIGTERM while the model loads: a load cannot be drained, only abandoned."""
-
-
 class Signals:
     """Signal handlers only set flags: the main loop acts on them (no locks taken inside a handler)."""
 
     def __init__(self, service: Service | None) -> None:
         self.service = service
+        self.httpd: TCPServer | UnixServer | None = None
         self.terminate = False
         self.reload = False
 
@@ -332,7 +329,21 @@ class Signals:
             worker.cancel_all.set()  # a second SIGTERM/SIGINT: cancel now instead of after --drain-timeout
         self.terminate = True
         if self.service is None or self.service.state == "loading":
-            raise Terminate()
+            self.abandon_start()
+
+    def abandon_start(self) -> None:
+        """A load cannot be drained, only abandoned: exit 0 here, from the handler. An exception raised instead
+        lands anywhere in the load, inside an extension's import too, where torch aborts (134) and transformers
+        turns it into an ImportError (1). Loading in a thread instead would move torch's OpenMP pool to a thread
+        that exits, and later decode runs 30x slower on a small CPU."""
+        if self.service is not None:
+            self.service.state = "stopped"
+        log.info("terminated while loading")
+        sdnotify.stopping()
+        if self.httpd is not None:
+            self.httpd.server_close()  # the Unix socket's file goes with it; the HTTP thread dies with the process
+        logging.shutdown()
+        os._exit(0)
 
     def on_hangup(self, signum: int, frame: object) -> None:
         self.reload = True
@@ -347,17 +358,10 @@ def serve(options: ServeOptions) -> int:
     use_mmap_for_large_allocations()
     try:
         service = signals.service = Service(options)
-        httpd = start_http(options, service)
+        httpd = signals.httpd = start_http(options, service)
         sdnotify.extend_timeout(int(options.load_timeout_s * 1e6))
         sdnotify.status("loading the model")
         service.load()
-    except Terminate:
-        if service is not None:
-            service.state = "stopped"  # a second signal must not raise Terminate again
-        log.info("terminated while loading")
-        sdnotify.stopping()
-        stop_http(httpd)
-        return 0
     except VismmoeError as e:  # a bad model path, option, profile or address: restarting cannot fix it
         if service is not None:
             service.state = "stopped"
