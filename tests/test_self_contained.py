@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # model's training.json) are verbatim records of where a run read its data, not citations, and stay as written.
 SCANNED = [*ROOT.glob("vismmoe_edge/**/*.py"), *ROOT.glob("vismmoe_edge/**/*.toml"), *ROOT.glob("docs/**/*.md")] + [
     *ROOT.glob("profiles/*"),
+    *ROOT.glob("systemd/*"),  # the shipped unit and environment file
     ROOT / "README.md",
 ]
 OUTPUT_NAMES = {"analysis.md"}  # a file `vismmoe-edge analyze` writes, not a citation

@@ -1,7 +1,7 @@
 """Hardware profiles (vismmoe_edge/profiles/*.toml) and choosing one: by name, or ``auto``.
 
 ``auto`` keys a Jetson by (module, power-mode NAME) and checks the mode's parsed limits, never the numeric
-mode id (docs/platform-facts.md §3.3, §9 item 1). A mode our profiles lack falls back to the closest profile by limits,
+mode id (docs/platform-facts.md §3.3). A mode our profiles lack falls back to the closest profile by limits,
 with a warning. Off a Jetson: ``desktop-gpu`` when CUDA works, else ``cpu``.
 """
 
