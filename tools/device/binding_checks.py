@@ -93,6 +93,14 @@ def check_binding() -> dict[str, Any]:
             "flags_not_in_binding": missing}  # fmt: skip
 
 
+def _handle(obj: Any) -> int:
+    """A driver handle (CUcontext) as an int, whichever way this cuda-bindings version offers it."""
+    try:
+        return int(obj)
+    except TypeError:
+        return int(obj.getPtr())
+
+
 def check_primary_context() -> dict[str, Any]:
     from cuda.bindings import driver
 
@@ -100,7 +108,7 @@ def check_primary_context() -> dict[str, Any]:
     err, current = driver.cuCtxGetCurrent()
     err2, device = driver.cuCtxGetDevice()
     err3, primary = driver.cuDevicePrimaryCtxRetain(device)
-    same = int(current) == int(primary)
+    same = _handle(current) == _handle(primary)
     driver.cuDevicePrimaryCtxRelease(device)
     return {"ok": same and not (int(err) or int(err2) or int(err3)), "current_is_primary": same}
 
