@@ -31,7 +31,7 @@ from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.models.ops import PrefillOps
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
-from vismmoe_edge.static_decode import StaticDecoder, capacity_for, supports_static_decode
+from vismmoe_edge.static_decode import StaticDecoder, capacity_for
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -302,8 +302,8 @@ class Engine:
         pipeline = self.experts.pipeline
         streams = len(pipeline.pinned) < len(self.catalogue.experts)
         room = pipeline.capacity >= self.context.top_k or not streams
-        has_pool = getattr(pipeline.tier, "pool", None) is not None and room
-        if self.static_decode == "off" or not has_pool or not supports_static_decode(self.model):
+        has_pool = pipeline.tier.pool is not None and room
+        if self.static_decode == "off" or not has_pool or not self.ops.static_decode:
             return False
         return self.static_decode == "on" or self.device.type == "cuda"
 

@@ -10,7 +10,7 @@ synchronisations. No compiler is involved (torch.compile needs Triton, which Jet
 The layers are transformers' own modules: attention is the model's attention module writing through
 `StaticCache.update`, so numerics match the eager path. The decoder layer's body (norm, attention, residual,
 norm, router, experts, residual) is spelled out here for the Qwen3-VL-MoE layer shape; families whose MoE block
-adds shared experts or other routers keep the eager path (`supports_static_decode`).
+adds shared experts or other routers keep the eager path (the family's `PrefillOps.static_decode`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ from vismmoe_edge.sampling import SamplingConfig
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
 CAPACITY_STEP = 512
-
-
-def supports_static_decode(model: Any) -> bool:
-    """True for Qwen3-VL-MoE: a layer is norm, attention, norm, then a routed-experts block with no shared experts."""
-    return getattr(getattr(model, "config", None), "model_type", "") == "qwen3_vl_moe"
 
 
 def capacity_for(tokens: int) -> int:

@@ -16,6 +16,8 @@ LAYOUT_HELP = (
     "cpu_b32_split (AVX2), cpu_b16_pairs (Jetson Orin, NEON), cpu_b32_pairs"
 )
 
+GROUP_HELP = "int4 only: inputs per scale and zero (default 128, or the largest group that divides both expert widths)"
+
 
 def quantize_command(
     src: Annotated[Path, typer.Argument(help="model directory: bf16/fp32, FP8 (block 128), W4A16 or AWQ GEMM")],
@@ -29,9 +31,7 @@ def quantize_command(
             "the token embedding is then read by row from disk",
         ),
     ] = None,
-    group_size: Annotated[
-        int | None, typer.Option("--group-size", min=2, help="int4 only: inputs per scale and zero (default 128)")
-    ] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", min=2, help=GROUP_HELP)] = None,
     layout: Annotated[str, typer.Option("--layout", help=LAYOUT_HELP)] = "auto",
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="e.g. 4GB or 2GiB")] = "4GB",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
@@ -56,6 +56,8 @@ def quantize_command(
         raise fail("interrupted; nothing was written to OUT", 130) from None
     spec = catalogue.spec
     group = f"group {spec.quant.group_size}" if bits == 4 else "per output channel"
+    if bits == 4 and group_size is None:
+        group += f" (picked: divides hidden {spec.hidden} and moe_intermediate {spec.inter}; --group-size to choose)"
     typer.echo(
         f"{written}: int{bits}, {group}, layout {spec.quant.layout}: {format_bytes(spec.nbytes)} per expert "
         f"({spec.nbytes / spec.dense_nbytes_bf16:.3f}x bf16), {len(catalogue.experts)} experts, "

@@ -70,7 +70,7 @@ def run(
         prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
     except VismmoeError as e:
         raise fail(str(e)) from None
-    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.sampling import SamplingConfig
 
     try:

@@ -16,7 +16,7 @@ activations, reads in flight) and keep room for one layer's top-k experts in the
     depth = min(profile depth, cache // (k * S_e) - 1), 0 when nothing streams
 
 L stays at its semantic minimum because the compressor cuts visual tokens after the pinned prefix
-(notes/architecture.md): a deeper prefix runs more layers on every visual token, and memory given to the
+(README.md, How it works): a deeper prefix runs more layers on every visual token, and memory given to the
 cache instead follows the routing's skew.
 """
 
@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
+from vismmoe_edge.config import cache_expert_bytes
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
@@ -133,7 +136,8 @@ def _m_avail(
         elif board is not None:
             available, source = board.available_bytes, board.describe()
         else:
-            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
+            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin
+            # (platform-facts.md §1.7).
             available = system.mem_available_bytes(root)
             source = f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
         headroom = None if cgroup is None else cgroup.headroom_bytes
@@ -181,13 +185,16 @@ def make_plan(
     dense_bits: int | None = None,
     group_size: int | None = None,
     max_context: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
     (MemAvailable on unified memory, free GPU memory on discrete; a Jetson profile on another machine: the
     module's memory, board_memory.py) or take the profile's value. ``gpu``: the CUDA device experts may be
     computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read this process's under
     ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
-    `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608)."""
+    `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the
+    compute dtype experts are cached at (None: the checkpoint's), so that the plan counts what the loader's cache
+    holds."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
@@ -203,6 +210,9 @@ def make_plan(
     s_e = weights.bytes_per_expert
     s_layer = e * s_e
     expert_dtype = _expert_dtype(checkpoint, weights, group_size)
+    if dtype is not None and checkpoint.catalogue.quant is None and bits is None:
+        s_e = cache_expert_bytes(checkpoint.catalogue, dtype)  # the loader caches experts at the compute dtype
+        s_layer, expert_dtype = s_e * e, f"the compute dtype {str(dtype).removeprefix('torch.')}"
     parts = runtime_parts(checkpoint, device=device, context_tokens=context, weights=weights)
     resident = parts.language_weights_bytes + parts.vision_weights_bytes
     others = parts.total_bytes - resident

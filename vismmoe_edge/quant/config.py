@@ -25,6 +25,7 @@ docs/quantization.md describes the tensors; record.py computes their shapes from
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ QUANTIZED_MODULES = ("routed_experts",)
 DENSE_MODULES = ("routed_experts", "dense_linear")
 VISION_BITS = 8
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm` (CPU and CUDA) accepts
+DEFAULT_INT4_GROUP = 128
 RECORD_FIELDS = {
     4: ("gate_up_proj.qweight", "gate_up_proj.scales_zeros", "down_proj.qweight", "down_proj.scales_zeros"),
     8: ("gate_up_proj.qweight", "gate_up_proj.scales", "down_proj.qweight", "down_proj.scales"),
@@ -87,6 +89,22 @@ def check_dense_bits(dense_bits: int | None, group_size: int | None) -> None:
         raise VismmoeError(f"--dense-bits {dense_bits}: use 4 or 8 (or leave it out to keep the dense weights)")
     if dense_bits == 4 and group_size not in KERNEL_GROUP_SIZES:
         raise VismmoeError(f"dense group size {group_size}: int4 dense weights use one of {KERNEL_GROUP_SIZES}")
+
+
+def pick_group_size(hidden: int, inter: int) -> int:
+    """The int4 group when --group-size is not given: it must divide both matrices' inputs (hidden for gate_up,
+    moe_intermediate for down). 128 if it does, else the largest kernel group that does (the fast path), else
+    the largest even divisor of both up to 128 (correct, through the dequantizing fallback)."""
+    for g in (DEFAULT_INT4_GROUP, *sorted((g for g in KERNEL_GROUP_SIZES if g < DEFAULT_INT4_GROUP), reverse=True)):
+        if hidden % g == 0 and inter % g == 0:
+            return g
+    common = math.gcd(hidden, inter)
+    for g in range(min(common, DEFAULT_INT4_GROUP), 1, -1):
+        if common % g == 0 and g % 2 == 0:
+            return g
+    raise VismmoeError(
+        f"hidden {hidden} and moe_intermediate {inter} share no even divisor: int4 groups cannot fit (use --bits 8)"
+    )
 
 
 def make_config(bits: int, group_size: int | None, layout: str, source: dict[str, Any] | None = None) -> QuantConfig:

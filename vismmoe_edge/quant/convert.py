@@ -32,14 +32,13 @@ from vismmoe_edge.checkpoint import (
 )
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant import dense
-from vismmoe_edge.quant.config import QuantConfig, check_dense_bits, make_config
+from vismmoe_edge.quant.config import DEFAULT_INT4_GROUP, QuantConfig, check_dense_bits, make_config, pick_group_size
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.quantize import cat_rows
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert
 from vismmoe_edge.quant.shards import Entry, ShardWriter, parse_size, plan_shards
 from vismmoe_edge.quant.source import SourceCheckpoint
 
-DEFAULT_INT4_GROUP = 128
 DEFAULT_MAX_SHARD = "4GB"
 _WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.gguf|\.h5|\.msgpack|\.index\.json)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -218,6 +217,8 @@ def _plan(
     """The quantization spec, checked against the model's geometry, and every output unit in file order."""
     catalogue = catalogue_of(source.directory, _logical_table(source))
     hidden, inter = _geometry(catalogue)
+    if bits == 4 and group_size is None:
+        group_size = pick_group_size(hidden, inter)
     origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
     quant = make_config(bits, group_size, layout, origin)
     dense_group = DEFAULT_INT4_GROUP  # at most: each matrix takes the largest kernel group dividing its width
@@ -273,7 +274,8 @@ def quantize_checkpoint(
     """Write an int4 (group-wise, default g128) or int8 (per-channel) copy of the checkpoint at `src` to `out`;
     `catalogue_of` is the model family's (vismmoe_edge.conversion passes it).
 
-    `group_size` is for int4 only (default 128; it must divide hidden_size and moe_intermediate_size). `layout`:
+    `group_size` is for int4 only; it must divide hidden_size and moe_intermediate_size (None: 128 or, where
+    that does not divide both, the group config.pick_group_size finds). `layout`:
     "auto" picks this CPU's kernel tiles (packing.CPU_LAYOUTS); name another one to convert for a different
     board (e.g. cpu_b16_pairs for a Jetson), or "rowmajor" for a CPU-neutral file. `dense_bits` (4 or 8):
     also quantize the linears `linears_of` names (attention, lm_head, dense MLPs at `dense_bits`, the vision tower
@@ -281,10 +283,9 @@ def quantize_checkpoint(
     """
     src, out = Path(src).expanduser(), Path(out).expanduser().absolute()
     _check_out(out)
-    if bits == 4 and group_size is None:
-        group_size = DEFAULT_INT4_GROUP
     layout = resolve_layout(bits, layout)
-    make_config(bits, group_size, layout)  # argument errors before any reading
+    checked_group = DEFAULT_INT4_GROUP if bits == 4 and group_size is None else group_size
+    make_config(bits, checked_group, layout)  # argument errors before any reading
     check_dense_bits(dense_bits, DEFAULT_INT4_GROUP)
     if dense_bits is not None and linears_of is None:
         raise ValueError("dense_bits needs linears_of, the model family's linear weights")

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("vismmoe_edge.serve")
 
 
+def _load_options() -> LoadOptions:
+    from vismmoe_edge.options import LoadOptions
+
+    return LoadOptions()
+
+
 @dataclass
 class ServeOptions:
     model: Path | None = None
@@ -54,17 +60,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     unix_socket: Path | None = None
-    memory_budget: str = "auto"  # auto, and pinned_layers None, and tier auto: the planner's
-    pinned_layers: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    tier: str = "auto"
-    predictor: str = "auto"
-    policy: str = "popularity"
-    host_tier: str = "auto"
-    compression: tuple[str, float, float, float] | None = None  # CompressionConfig's fields (it imports torch)
-    profile: str = "auto"
-    prefetch_depth: int | None = None
+    load: LoadOptions = field(default_factory=_load_options)  # what `run` takes; "auto": the planner's
     image_dirs: tuple[Path, ...] = ()  # local image paths are served from these only; none: local paths are off
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     api_key: str | None = None  # bearer token required on /v1/ when set
@@ -116,23 +112,7 @@ class Service:
         self.state = "ok"
 
     def load_options(self) -> LoadOptions:
-        from vismmoe_edge.compress.prune import CompressionConfig
-        from vismmoe_edge.options import LoadOptions
-
-        o = self.options
-        return LoadOptions(
-            memory_budget=o.memory_budget,
-            pinned_layers=o.pinned_layers,
-            tier=o.tier,
-            device=o.device,
-            dtype=o.dtype,
-            predictor=o.predictor,
-            policy=o.policy,
-            profile=o.profile,
-            prefetch_depth=o.prefetch_depth,
-            host_tier=o.host_tier,
-            compression=CompressionConfig(*o.compression) if o.compression is not None else None,
-        )
+        return self.options.load
 
     def resolve(self, checkpoint: Any, replan: bool) -> ResolvedOptions:
         """The options with the planner's choices filled in, as `vismmoe-edge run` resolves them. On a re-plan
@@ -147,7 +127,7 @@ class Service:
                 log.warning("plan: %s", warning)
             log.info("%s", resolved.note)
         self.settings = {
-            "memory_budget": resolved.memory_budget,
+            "memory_budget": resolved.memory_budget_bytes,
             "pinned_layers": resolved.pinned_layers,
             "tier": resolved.tier,
             "prefetch_depth": resolved.prefetch_depth,
