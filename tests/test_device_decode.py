@@ -15,6 +15,7 @@ from tests.hf_reference import NEW_TOKENS, Reference, hf_references
 from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.table import ABSENT
+from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
 from vismmoe_edge.prompt import encode_prompt, load_image
@@ -208,7 +209,7 @@ def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
     assert bool(missed)  # expert 5: in no slot and not mapped
 
 
-class _InlineTier:
+class _InlineTier(TierDefaults):
     """A tier whose fetches only queue a copy (as from the pinned host tier): what promotion may use."""
 
     name = "fake-inline"

@@ -96,7 +96,7 @@ def test_a_family_from_a_test_module_loads_quantizes_and_plans(throwaway_checkpo
 
 THROWAWAY_TIER = '''
 """A tier this package does not know: every fetch a fresh copy from the store, counted."""
-from vismmoe_edge.experts.pipeline import TierDefaults
+from vismmoe_edge.experts.tier import TierDefaults
 
 CALLS = {"fetch": 0, "after_load": 0}
 

@@ -8,7 +8,7 @@ Compute (the engine's thread) and I/O (one worker thread) share one lock:
 - predicted experts are Speculative until their layer routes them; speculative bytes in flight are
   capped and stale requests dropped (peers: speculation spends the binding bandwidth).
 
-Where a slot's bytes live is the tier's business (host RAM, the page cache, GPU memory).
+Where a slot's bytes live is the tier's business (host RAM, the page cache, GPU memory; experts/tier.py).
 """
 
 from __future__ import annotations
@@ -17,18 +17,12 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
-from typing import Any, Protocol
 
-from tqdm.auto import tqdm
-
-from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from vismmoe_edge.experts.store import ExpertWeights
+from vismmoe_edge.experts.tier import ExpertKey, Tier
 
 DEMAND = 0  # queue classes: lower goes first
 SPECULATIVE = 1
@@ -44,56 +38,6 @@ class State(Enum):
     REQUIRED = "required"  # routed for the layer being computed and not computed yet: never evicted
     SPECULATIVE = "speculative"  # prefetched or queued on a prediction, not confirmed yet
     EXPIRED = "expired"  # its layer has run for this token
-
-
-class Tier(Protocol):
-    """Moves one expert into slot `slot` of fast memory (blocking; runs on the I/O thread). Everything the
-    pipeline, the runtime, compute and the loader ask of a tier is here; TierDefaults gives the usual answers."""
-
-    name: str
-    slot_bytes: int  # bytes one expert takes in fast memory
-    # The slot pool compute gathers a layer's experts from by slot id (experts/pool_compute.py), or None: the
-    # experts are computed one by one from what `fetch` returned.
-    pool: Any
-    pinned_slot: Mapping[ExpertKey, int]  # the pinned prefix's slots in `pool` (empty where it lives apart)
-
-    def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights: ...
-    def release(self, key: ExpertKey, slot: int) -> None: ...
-    def ready(self, key: ExpertKey, slot: int) -> None: ...  # before compute reads it (CUDA: wait on the event)
-    def done(self, key: ExpertKey, slot: int) -> None: ...  # compute has queued its last read of the slot
-    def read_bytes(self, key: ExpertKey) -> int: ...  # bytes one fetch moves from the slow tier
-    def can_fetch_inline(self, key: ExpertKey) -> bool: ...  # a miss only queues a DMA: fetch on compute's thread
-
-    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], Any]:
-        """The pinned prefix's weights, and what locking them reported (None: nothing to report)."""
-        ...
-
-    def after_load(
-        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
-    ) -> None:
-        """Once the model is built: give back what loading left in the page cache that this tier will not use."""
-        ...
-
-
-class TierDefaults:
-    """The answers of a tier with no slot pool of its own: experts computed one by one, no inline fetch, the
-    pinned prefix loaded into ordinary tensors, nothing to release after loading."""
-
-    pool: Any = None
-    pinned_slot: Mapping[ExpertKey, int] = MappingProxyType({})
-    store: ExpertStore
-
-    def can_fetch_inline(self, key: ExpertKey) -> bool:
-        return False
-
-    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], Any]:
-        bar = tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
-        return {k: self.store.load(*k) for k in bar}, None
-
-    def after_load(
-        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
-    ) -> None:
-        return None
 
 
 @dataclass
@@ -343,7 +287,7 @@ class ExpertPipeline:
 
     def resident_slots(self) -> dict[ExpertKey, int]:
         """Every expert that can be read from the pool now (arrived, not evicted) -> its slot."""
-        pinned_slot = getattr(self.tier, "pinned_slot", {})
+        pinned_slot = self.tier.pinned_slot
         with self._lock:
             slots = {k: e.slot for k, e in self._entries.items() if e.loaded.is_set() and e.slot is not None}
         return slots | {k: pinned_slot[k] for k in self.pinned if k in pinned_slot}
@@ -374,8 +318,7 @@ class ExpertPipeline:
         from the host tier meanwhile, which is why no token needs to wait.
         """
         key = (layer, expert)
-        inline = getattr(self.tier, "can_fetch_inline", None)
-        if key in self.pinned or inline is None or not inline(key):
+        if key in self.pinned or not self.tier.can_fetch_inline(key):
             return None
         with self._lock:
             if key in self._entries:

@@ -31,8 +31,8 @@ from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, ExpertPart, T
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
-from vismmoe_edge.experts.pipeline import Tier, TierDefaults
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
+from vismmoe_edge.experts.tier import Tier, TierDefaults
 from vismmoe_edge.experts.tiers.host_memory import DeviceArray
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier

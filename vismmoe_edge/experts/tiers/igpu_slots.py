@@ -26,8 +26,8 @@ import torch
 
 from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertCatalogue, ExpertPart, TensorInfo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.pipeline import TierDefaults
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
+from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.experts.tiers.host_memory import HostMemory
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.pipeline import TierDefaults
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
+from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.experts.tiers.mapped_shards import MappedShards, drop_unneeded_pages
 
 ExpertKey = tuple[int, int]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Literal
 from vismmoe_edge.errors import VismmoeError
 
 if TYPE_CHECKING:
-    from vismmoe_edge.experts.pipeline import Tier
     from vismmoe_edge.experts.store import ExpertStore
+    from vismmoe_edge.experts.tier import Tier
     from vismmoe_edge.experts.tiers.host_mirror import HostMirror
 
 AUTO = "auto"  # the plan's tier (options.resolve); a bare loader.load: gpu on CUDA, else host

@@ -21,8 +21,8 @@ import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
 from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.pipeline import TierDefaults
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.experts.tiers.host_mirror import HostMirror
 
 ExpertKey = tuple[int, int]
