@@ -118,6 +118,9 @@ class StaticDecoder:
         self.token, self.host_token = dev(1, 1, dtype=torch.long), host(1, 1, dtype=torch.long)
         self.position, self.host_position = dev(3, 1, 1, dtype=torch.long), host(3, 1, 1, dtype=torch.long)
         self.hidden, self.normed = dev(1, 1, hidden_size), dev(1, 1, hidden_size)
+        # an embedding read by row from the shard (quant/dense.py) is read on the host before the graph runs
+        rows = self.lm.embed_tokens
+        self.host_row = host(1, 1, hidden_size, dtype=dtype) if hasattr(rows, "host_rows") else None
         self.logits = dev(engine.model.lm_head.out_features)
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.moe: dict[int, OffloadedExperts] = {}
@@ -145,7 +148,10 @@ class StaticDecoder:
     def _embed(self) -> None:
         self.token.copy_(self.host_token, non_blocking=True)
         self.position.copy_(self.host_position, non_blocking=True)
-        self.hidden.copy_(self.lm.embed_tokens(self.token))
+        if self.host_row is not None:
+            self.hidden.copy_(self.host_row, non_blocking=True)
+        else:
+            self.hidden.copy_(self.lm.embed_tokens(self.token))
         cos, sin = self.engine.ops.rotary(self.lm, self.hidden, self.position)
         if self.cos_sin is None:
             self.cos_sin = (cos.clone(), sin.clone())
@@ -228,6 +234,8 @@ class StaticDecoder:
         """One token through every layer; returns the next-token logits [vocab] (a buffer the next step reuses)."""
         self.host_token.fill_(token)
         self.host_position.fill_(position)
+        if self.host_row is not None:
+            self.host_row.copy_(self.lm.embed_tokens.host_rows(self.host_token))
         self._run("embed", self._embed)
         for i in range(len(self.lm.layers)):
             self._run(f"attention.{i}", self._attention, i)
