@@ -190,6 +190,7 @@ class ExpertPipeline:
         self._error: BaseException | None = None
         self._misses: set[int] = set()  # experts of the current layer that were demand misses
         self._closed = False
+        self.residency_version = 0  # bumped whenever an expert enters or leaves a slot (experts/table.py syncs on it)
         self._update_resident()
         self._workers = [
             threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
@@ -339,6 +340,64 @@ class ExpertPipeline:
         """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""
         entry = self._entries.get((layer, expert))
         return entry is not None and entry.loaded.is_set()
+
+    def resident_slots(self) -> dict[ExpertKey, int]:
+        """Every expert that can be read from the pool now (arrived, not evicted) -> its slot."""
+        pinned_slot = getattr(self.tier, "pinned_slot", {})
+        with self._lock:
+            slots = {k: e.slot for k, e in self._entries.items() if e.loaded.is_set() and e.slot is not None}
+        return slots | {k: pinned_slot[k] for k in self.pinned if k in pinned_slot}
+
+    def touch(self, layer: int, experts: Iterable[int]) -> None:
+        """A token used these experts without acquiring them (the device-side decode, which runs only when every
+        one was resident): count the hits, refresh their place in the eviction order as `finish` would, and their
+        popularity."""
+        with self._lock:
+            for expert in experts:
+                key = (layer, expert)
+                self.stats.hits += 1
+                entry = self._entries.get(key)
+                if self.policy == "popularity":
+                    self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + 1.0
+                if entry is None or entry.state is not State.EXPIRED:
+                    continue
+                score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+                self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + score + next(self._clock))
+
+    def promote(self, layer: int, expert: int) -> int | None:
+        """Bring an expert that device tokens read in place from the host tier into a slot, if a slot is free or
+        holds an expert worth less (popularity, then age, as eviction ranks them); returns its slot, or None.
+
+        Compute thread, between tokens. The fetch only queues a DMA from pinned memory (tiers that can fetch
+        inline); the slot's event marks its end, and the device table adds the expert only once that event has
+        completed (ExpertTable.sync), so no token reads a half-filled slot. The evicted expert stays readable
+        from the host tier meanwhile, which is why no token needs to wait.
+        """
+        key = (layer, expert)
+        inline = getattr(self.tier, "can_fetch_inline", None)
+        if key in self.pinned or inline is None or not inline(key):
+            return None
+        with self._lock:
+            if key in self._entries:
+                return None
+            score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+            priority = EXPIRED_BASE + score + next(self._clock)
+            taken = self._take_slot(for_demand=False, priority=priority)
+            if taken is None:
+                return None
+            slot, victim = taken
+            if victim is not None:
+                self.tier.release(victim, slot)
+            entry = self._entries[key] = Entry(key, State.EXPIRED, priority)
+            start = time.perf_counter()
+            entry.weights, entry.slot = self.tier.fetch(key, slot), slot
+            self._loaded_count += 1
+            self.stats.bytes_read += self.tier.read_bytes(key)
+            self.stats.fetch_seconds += time.perf_counter() - start
+            entry.loaded.set()  # for the per-layer path, which waits on the slot's event (tier.ready)
+            self._set_evictable(entry, State.EXPIRED, priority)
+            self._update_resident()
+        return slot
 
     def resident_keys(self) -> set[ExpertKey]:
         with self._lock:
@@ -545,6 +604,7 @@ class ExpertPipeline:
             keys.discard(key)
 
     def _update_resident(self) -> None:
+        self.residency_version += 1
         self.stats.resident_bytes = self.stats.pinned_bytes + self._loaded_count * self.tier.slot_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
 
