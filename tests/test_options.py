@@ -115,8 +115,11 @@ def test_a_percentage_budget_is_of_the_compute_dtype_bytes_the_cache_holds(tmp_p
     assert engine.experts.pipeline.capacity == (resolved.memory_budget_bytes - s_layer) // s_e
 
     # Room for two float32 layers: counted at bf16 the plan would pin three (l_semantic) and overfill the cache.
+    from vismmoe_edge.planning.weights import weight_bytes
+
     m_e = 2 * s_layer + 10 * s_e
-    planned = resolve(LoadOptions(profile=NANO, dtype="float32"), info, mem_available=available_for(model, m_e))
+    others = runtime_parts(info, device="cuda", weights=weight_bytes(info, float_scale=2.0)).total_bytes  # float32
+    planned = resolve(LoadOptions(profile=NANO, dtype="float32"), info, mem_available=m_e + others + GIB)
     assert planned.plan is not None and planned.plan.s_layer_bytes == s_layer and planned.plan.bytes_per_expert == s_e
     assert planned.pinned_layers == 2 and planned.memory_budget_bytes == m_e
     assert any("compute dtype float32" in line for line in planned.plan.why)

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
-from vismmoe_edge.config import cache_expert_bytes
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
@@ -192,9 +191,9 @@ def make_plan(
     module's memory, board_memory.py) or take the profile's value. ``gpu``: the CUDA device experts may be
     computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read this process's under
     ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
-    `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the
-    compute dtype experts are cached at (None: the checkpoint's), so that the plan counts what the loader's cache
-    holds."""
+    `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the compute
+    dtype float weights are held at (None: the checkpoint's; float16 on the CPU is float32), so that the plan
+    counts what the loader's cache holds."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
@@ -204,15 +203,16 @@ def make_plan(
         raise VismmoeError(f"--max-context {context}: must be at least 1")
     stored = checkpoint.stored_dtype
     itemsize = 4 if device == "cpu" and str(stored) == "torch.float16" else stored.itemsize
+    if dtype is not None:
+        itemsize = dtype.itemsize  # --dtype: the loader converts every float weight, experts included
     weights = weight_bytes(
         checkpoint, bits=bits, dense_bits=dense_bits, group_size=group_size, float_scale=itemsize / stored.itemsize
     )
     s_e = weights.bytes_per_expert
     s_layer = e * s_e
     expert_dtype = _expert_dtype(checkpoint, weights, group_size)
-    if dtype is not None and checkpoint.catalogue.quant is None and bits is None:
-        s_e = cache_expert_bytes(checkpoint.catalogue, dtype)  # the loader caches experts at the compute dtype
-        s_layer, expert_dtype = s_e * e, f"the compute dtype {str(dtype).removeprefix('torch.')}"
+    if dtype is not None and weights.bits is None and checkpoint.catalogue.quant is None:
+        expert_dtype = f"the compute dtype {str(dtype).removeprefix('torch.')}"
     parts = runtime_parts(checkpoint, device=device, context_tokens=context, weights=weights)
     resident = parts.language_weights_bytes + parts.vision_weights_bytes
     others = parts.total_bytes - resident

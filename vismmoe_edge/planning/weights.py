@@ -144,6 +144,8 @@ def weight_bytes(
         spec = ExpertSpec(quant, int(text.hidden_size), int(text.moe_intermediate_size))
         spec.check_geometry()
         per_expert = spec.nbytes
+    elif stored is None:  # float experts are cached at the compute dtype, as the loader converts them
+        per_expert = int(catalogue.expert_bytes * float_scale)
     else:
         per_expert = catalogue.expert_bytes
     return WeightBytes(
