@@ -112,6 +112,20 @@ def serve_command(
     max_connections: Annotated[
         int, typer.Option("--max-connections", min=1, help="open client connections; more get 503")
     ] = 64,
+    max_connections_per_client: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections-per-client",
+            min=1,
+            help="open connections of one IP address (or uid on a Unix socket); default: --max-connections - 8",
+        ),
+    ] = None,
+    header_timeout: Annotated[
+        float, typer.Option("--header-timeout", min=0.1, help="seconds for a request's line and headers; then 408")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option("--body-timeout", min=0.1, help="seconds for a request's body after its headers; then 408")
+    ] = 60.0,
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", min=0.1, help="seconds from arrival, queueing included")
     ] = 300.0,
@@ -134,6 +148,9 @@ def serve_command(
             max_decoded_bytes=parse_size(max_decoded_bytes, what="--max-decoded-bytes"),
             max_pending_bytes=parse_size(max_pending_bytes, what="--max-pending-bytes"),
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client or max(1, max_connections - 8),
+            header_timeout_s=header_timeout,
+            body_timeout_s=body_timeout,
             max_image_pixels=max_image_pixels,
             max_images=max_images,
             max_prompt_tokens=max_prompt_tokens,
