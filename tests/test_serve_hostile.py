@@ -103,3 +103,65 @@ def test_headers_sent_a_byte_at_a_time_get_408(server: Server) -> None:
         sock.close()
     assert_error(status, payload, 408, "request_timeout")
     assert time.monotonic() - started < DEADLINE + 2
+
+
+# ---- memory bounded before parsing -------------------------------------------------------------------------
+
+
+def rss_mib(server: Server) -> float:
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def post_bytes(server: Server, data: bytes) -> tuple[int, dict, float]:
+    started = time.monotonic()
+    status, _, payload = raw_request(server, post_head(str(len(data))), data, timeout=60)
+    return status, payload, time.monotonic() - started
+
+
+def test_json_that_would_grow_in_memory_is_refused_before_parsing(server: Server) -> None:
+    """8 MiB of empty objects: under an unknown field, a 400 naming it; under a known one, a 400 on the count.
+    Either way in well under a second and without the hundreds of MiB json.loads would build."""
+    junk = b"[" + b"{}," * ((8 << 20) // 3) + b"{}]"
+    before = rss_mib(server)
+    for field, code in ((b"junk", "unknown_parameter"), (b"metadata", "invalid_json")):
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "' + field + b'": ' + junk + b"}"
+        status, payload, seconds = post_bytes(server, body)
+        assert_error(status, payload, 400, code)
+        assert seconds < 3, seconds
+        if code == "unknown_parameter":
+            assert payload["error"]["param"] == "junk" and "junk" in payload["error"]["message"]
+    assert rss_mib(server) - before < 64  # the body itself (8 MiB) and its bookkeeping; json.loads: ~600 MiB
+    many_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 200_000}]}
+    status, payload, _ = post_bytes(server, json.dumps(many_parts).encode())
+    assert_error(status, payload, 400, "invalid_json")
+
+
+def test_a_long_prompt_is_refused_from_its_bytes_before_tokenizing(server: Server) -> None:
+    """8 MB of text: context_length_exceeded at once (it took 19 s and 1.4 GiB of tokenizing before)."""
+    before = rss_mib(server)
+    body = json.dumps({"messages": user("a b " * 2_000_000), "max_tokens": 2}).encode()
+    status, payload, seconds = post_bytes(server, body)
+    assert_error(status, payload, 400, "context_length_exceeded")
+    assert "bytes of text" in payload["error"]["message"]
+    assert seconds < 3, seconds
+    assert rss_mib(server) - before < 100
+    ok = json.dumps({"messages": user("a b " * 100), "max_tokens": 2}).encode()  # a prompt within the bound
+    assert post_bytes(server, ok)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "invalid_value"),  # a lone surrogate
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}', "invalid_value"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}", "invalid_json"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "user": "' + b"x" * 100, "invalid_json"),
+    ],
+)
+def test_text_that_is_not_utf8_and_huge_literals_are_400(server: Server, body: bytes, code: str) -> None:
+    status, payload, _ = post_bytes(server, body)
+    assert_error(status, payload, 400, code)

@@ -195,7 +195,7 @@ def parse_stop(value: object) -> list[str]:
         raise bad_request("'stop' must be a string or an array of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
-    return [s for s in stops if s]
+    return [check_text(s, "stop") for s in stops if s]
 
 
 def parse_logit_bias(value: object, vocab_size: int) -> dict[int, float]:
@@ -317,7 +317,7 @@ def parse_messages(raw: object, limits: Limits, load_image: ImageLoader) -> tupl
             raise bad_request(f"{where}.name must be a string", f"{where}.name")
         content = message.get("content")
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": check_text(content, f"{where}.content")})
             continue
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
@@ -333,7 +333,7 @@ def parse_part(part: object, where: str, images: list, limits: Limits, load_imag
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}.text must be a string", f"{where}.text")
-        return {"type": "text", "text": part["text"]}
+        return {"type": "text", "text": check_text(part["text"], f"{where}.text")}
     if kind == "image_url":
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else spec
@@ -349,21 +349,26 @@ def parse_part(part: object, where: str, images: list, limits: Limits, load_imag
     raise bad_request(f"{where}.type {show(kind)} is not supported: use 'text' or 'image_url'", f"{where}.type")
 
 
-def nesting_depth_exceeds(value: object, limit: int = MAX_DEPTH) -> bool:
-    """Whether a parsed JSON value nests deeper than `limit` (iterative: a deep value must not recurse here)."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
+def check_text(text: str, param: str) -> str:
+    """A string the prompt will hold: a lone surrogate (valid in JSON's \\uXXXX, not in UTF-8) is a 400."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"{param} holds a lone UTF-16 surrogate (\\ud800-\\udfff), not text", param) from None
+    return text
+
+
+def prompt_text_bytes(messages: list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of the text in parsed messages (their strings were checked by check_text)."""
+    total = 0
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            total += len(content.encode())
         else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
+            total += sum(len(part["text"].encode()) for part in content if part["type"] == "text")
+    return total
 
 
 # ---- responses ----------------------------------------------------------------------------------------
