@@ -165,3 +165,127 @@ def test_a_long_prompt_is_refused_from_its_bytes_before_tokenizing(server: Serve
 def test_text_that_is_not_utf8_and_huge_literals_are_400(server: Server, body: bytes, code: str) -> None:
     status, payload, _ = post_bytes(server, body)
     assert_error(status, payload, 400, code)
+
+
+# ---- connection caps ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Caps of 6 connections, 4 from one client, and deadlines long enough for idle sockets to stay open."""
+    args = ["--max-connections", "6", "--max-connections-per-client", "4", "--header-timeout", "20"]
+    srv = start(tmp_path_factory.mktemp("capped"), *args)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def socket_from(server: Server, source: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))  # the whole of 127/8 is loopback: a second client without a second machine
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def ask(sock: socket.socket, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    try:
+        sock.sendall(head + body)
+        return read_reply(sock)
+    finally:
+        sock.close()
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+
+
+def test_slow_clients_cannot_take_every_connection_and_health_answers(capped: Server) -> None:
+    """One client trickling headers is held to its share; another client still gets in; /health answers even
+    when every slot is taken (the header deadline that cuts the slow ones is tested above)."""
+    slow = [socket_from(capped, "127.0.0.1") for _ in range(4)]
+    for sock in slow:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # a slowloris: never finishes its headers
+    time.sleep(0.3)
+    status, payload = ask(socket_from(capped, "127.0.0.1"), post_head("2"), b"{}")
+    assert_error(status, payload, 503, "too_many_connections")
+    assert "from this client" in payload["error"]["message"]
+    body = json.dumps({"messages": user("hi"), "max_tokens": 2}).encode()
+    others = [socket_from(capped, "127.0.0.2") for _ in range(2)]  # the total cap (6) is now reached
+    status, payload = ask(others.pop(), post_head(str(len(body))), body)
+    assert status == 200, payload
+    held = socket_from(capped, "127.0.0.2")  # back at the cap
+    time.sleep(0.2)
+    status, payload = ask(socket_from(capped, "127.0.0.3"), HEALTH)
+    assert status == 200 and payload["status"] == "ok"
+    status, payload = ask(socket_from(capped, "127.0.0.3"), post_head("2"), b"{}")
+    assert_error(status, payload, 503, "too_many_connections")
+    for sock in [*slow, *others, held]:
+        sock.close()
+
+
+# ---- schemas ----------------------------------------------------------------------------------------------
+
+TREE = {"type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}
+ENDLESS = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def test_which_schemas_have_a_finite_instance() -> None:
+    from vismmoe_edge.serve.constraints import has_finite_instance
+
+    assert has_finite_instance(TREE)  # recursive, but the children are optional
+    assert has_finite_instance({"type": "array", "items": {"$ref": "#"}, "minItems": 0})
+    assert has_finite_instance({"anyOf": [{"$ref": "#"}, {"type": "null"}]})
+    assert has_finite_instance({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    for schema in ({"$ref": "#"}, LOOP, ENDLESS, {"enum": []}, False, {"anyOf": [{"$ref": "#"}]}):
+        assert not has_finite_instance(schema), schema
+    assert not has_finite_instance({"type": "array", "items": {"$ref": "#"}, "minItems": 1})
+
+
+def test_compiled_grammars_are_cached_by_the_schemas_hash() -> None:
+    from transformers import AutoTokenizer
+
+    from vismmoe_edge.serve.constraints import JsonGrammars
+
+    tokenizer = AutoTokenizer.from_pretrained(random_demo_model())
+    grammars = JsonGrammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    first = grammars.compile({"type": "json_schema", "schema": TREE})
+    reordered = {"properties": TREE["properties"], "type": "object"}  # the same schema, keys in another order
+    started = time.perf_counter()
+    assert grammars.compile({"type": "json_schema", "schema": reordered}) is first
+    assert time.perf_counter() - started < 0.01
+    assert len(grammars.cache) == 1
+
+
+def schema_body(schema: object) -> dict:
+    spec = {"name": "x", "schema": schema}
+    return {"messages": user("hi"), "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": spec}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ({"$ref": "#"}, "no finite JSON value"),
+        (LOOP, "no finite JSON value"),
+        (ENDLESS, "no finite JSON value"),
+        ({"type": "string", "pattern": "a" * 1_000_000}, "1000033 bytes of JSON"),
+        ({"type": "string", "pattern": "a" * 10_000}, "a string of 10000 characters"),
+        ({"type": "integer", "enum": list(range(25_000))}, "JSON values"),
+        ({"type": "string", "pattern": "(a"}, "cannot be used"),
+    ],
+)
+def test_recursive_unsatisfiable_or_costly_schemas_are_400_naming_why(
+    server: Server, schema: dict, reason: str
+) -> None:
+    started = time.monotonic()
+    status, payload = server.chat(schema_body(schema))
+    assert_error(status, payload, 400)
+    assert reason in payload["error"]["message"], payload
+    assert time.monotonic() - started < 3
+    assert len(payload["error"]["message"]) < 400  # a reason, not the parser's state
+
+
+def test_a_recursive_schema_with_a_base_case_is_served(server: Server) -> None:
+    status, payload = server.chat(schema_body(TREE))
+    assert status == 200, payload

@@ -352,8 +352,10 @@ def test_the_connection_cap(servers: dict[str, Server]) -> None:
     idle = [srv.raw_socket() for _ in range(8)]  # --max-connections 8, all held open
     try:
         time.sleep(0.3)
-        status, _, payload = raw_request(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        status, _, payload = raw_request(srv, post_head("2"), b"{}")
         assert_error(status, payload, 503, "too_many_connections")
+        status, _, payload = raw_request(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert status == 200 and payload["status"] == "ok"  # a probe is answered even at the cap (issue 22)
     finally:
         for sock in idle:
             sock.close()

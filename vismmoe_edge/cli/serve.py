@@ -117,7 +117,7 @@ def serve_command(
         typer.Option(
             "--max-connections-per-client",
             min=1,
-            help="open connections of one IP address (or uid on a Unix socket); default: --max-connections - 8",
+            help="open connections of one IP address (or uid on a Unix socket); default: 7/8 of --max-connections",
         ),
     ] = None,
     header_timeout: Annotated[
@@ -148,7 +148,7 @@ def serve_command(
             max_decoded_bytes=parse_size(max_decoded_bytes, what="--max-decoded-bytes"),
             max_pending_bytes=parse_size(max_pending_bytes, what="--max-pending-bytes"),
             max_connections=max_connections,
-            max_connections_per_client=max_connections_per_client or max(1, max_connections - 8),
+            max_connections_per_client=max_connections_per_client or max_connections - max(1, max_connections // 8),
             header_timeout_s=header_timeout,
             body_timeout_s=body_timeout,
             max_image_pixels=max_image_pixels,

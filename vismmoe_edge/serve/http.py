@@ -24,6 +24,7 @@ from vismmoe_edge.serve.deadlines import DeadlineReader
 from vismmoe_edge.serve.protocol import (
     ApiError,
     Completion,
+    busy,
     chunk,
     completion_body,
     http_error,
@@ -84,12 +85,15 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         """One request, its request line and headers within --header-timeout; a client that started a request
         and did not finish its headers in time gets a 408 (an idle keep-alive connection is just closed)."""
-        self.reader.start("headers", self.service.limits.header_timeout_s)
+        self.reader.start("headers", self.header_timeout())
         super().handle_one_request()  # catches the TimeoutError of a late request and closes the connection
         if self.reader.expired and self.reader.phase == "headers" and self.reader.received:
             self.close_connection = True
             self.command, self.request_version, self.requestline = "", "HTTP/1.1", ""
             self.send_error_json(http_error(408, "the request headers did not arrive in time (--header-timeout)"))
+
+    def header_timeout(self) -> float:
+        return self.service.limits.header_timeout_s
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -358,3 +362,29 @@ class Handler(BaseHTTPRequestHandler):
             c.finish_reason,
             c.timings.get("decode_tokens_per_s", 0.0),
         )
+
+
+class ProbeHandler(Handler):
+    """A connection past the connection caps: one GET /health or /metrics is answered (a probe must see a busy
+    daemon as alive), anything else gets the 503 the caps give; then the connection closes."""
+
+    PROBES = ("/health", "/metrics")
+    PROBE_HEADER_S = 2.0
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+
+    def header_timeout(self) -> float:
+        return min(self.PROBE_HEADER_S, self.service.limits.header_timeout_s)
+
+    def admit(self, method: str) -> str | None:
+        self.close_connection = True
+        if method == "GET" and urlparse(self.path).path in self.PROBES:
+            return super().admit(method)
+        reason = self.server.cap_reason(self.server.peer(self.connection, self.client_address))
+        self.send_error_json(busy(f"{reason}; retry shortly", "too_many_connections"))
+        return None
+
+    def do_OPTIONS(self) -> None:
+        self.admit("OPTIONS")

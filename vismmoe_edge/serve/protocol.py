@@ -53,7 +53,7 @@ class Limits:
     max_tokens: int = 512  # the cap, and the default when a request names none
     max_queue: int = 8  # requests waiting behind the one generating
     max_connections: int = 64  # open client connections; more are answered 503 at once
-    max_connections_per_client: int = 56  # one client (IP address or uid) never takes the last slots
+    max_connections_per_client: int = 56  # one client (IP address or uid) cannot take the last 1/8
     header_timeout_s: float = 10.0  # request line and headers, from when the handler waits for them
     body_timeout_s: float = 60.0  # the whole body, from the end of the headers
     request_timeout_s: float = 300.0  # from arrival, queueing included
