@@ -8,14 +8,18 @@ the default tens of seconds; the clients are raw sockets (an attacker's) and the
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
+import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_support import Server, assert_error, random_demo_model, user, wait_until
+from serve_support import REPO, Server, assert_error, random_demo_model, user, wait_until
 from test_serve_security import post_head, raw_request
 
 DEADLINE = 1.0  # --header-timeout and --body-timeout of the daemon under test
@@ -289,3 +293,80 @@ def test_recursive_unsatisfiable_or_costly_schemas_are_400_naming_why(
 def test_a_recursive_schema_with_a_base_case_is_served(server: Server) -> None:
     status, payload = server.chat(schema_body(TREE))
     assert status == 200, payload
+
+
+# ---- the low findings ----------------------------------------------------------------------------------------
+
+
+def test_tiny_temperature_and_top_p_sample_instead_of_failing(server: Server) -> None:
+    """Inside the accepted ranges, so they must work: they act as their limits (greedy, the top token)."""
+    greedy = server.chat({"messages": user("hi"), "max_tokens": 4})
+    for fields in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 5e-324}):
+        status, payload = server.chat({"messages": user("hi"), "max_tokens": 4, **fields})
+        assert status == 200, payload
+        assert payload["vismmoe"]["token_ids"] == greedy[1]["vismmoe"]["token_ids"], fields
+
+
+def test_connection_close_is_honoured(server: Server) -> None:
+    """The answer says `Connection: close` and the socket is closed at once (it stayed open 30 s)."""
+    body = json.dumps({"messages": user("hi"), "max_tokens": 2}).encode()
+    sock = server.raw_socket()
+    try:
+        sock.sendall(post_head(str(len(body)), "Connection: close\r\n") + body)
+        sock.settimeout(10)
+        received = b""
+        started = time.monotonic()
+        while part := sock.recv(65536):
+            received += part
+        assert time.monotonic() - started < 5
+    finally:
+        sock.close()
+    head = received.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"connection: close" in head
+
+
+def test_the_unix_socket_mode_is_set_by_the_daemon(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from vismmoe_edge.serve.protocol import Limits
+    from vismmoe_edge.serve.servers import UnixServer
+
+    service = SimpleNamespace(limits=Limits())
+    old = os.umask(0)  # the finding: under umask 000 the socket was 0777
+    try:
+        for mode in (0o660, 0o600):
+            path = tmp_path / f"api-{mode:o}.sock"
+            server = UnixServer(path, service, mode)  # type: ignore[arg-type]
+            try:
+                assert stat.S_IMODE(path.stat().st_mode) == mode
+            finally:
+                server.server_close()
+    finally:
+        os.umask(old)
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "vismmoe_edge.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def test_run_refuses_a_fifo_image_in_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "image.png"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    result = cli("run", "--prompt", "hi", "--image", str(fifo), timeout=30)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a regular file" in lines[0], result.stderr
+    assert time.monotonic() - started < 20  # before the model loads; it used to hang for ever
+
+
+def test_run_with_a_tiny_temperature_decodes_greedily() -> None:
+    args = ["run", "--model", str(random_demo_model()), "--prompt", "hi", "--max-new-tokens", "3", "--json"]
+    args += ["--memory-budget", "100%", "--pinned-layers", "0", "--tier", "host", "--device", "cpu"]
+    greedy = cli(*args)
+    tiny = cli(*args, "--temperature", "1e-300")
+    assert greedy.returncode == 0 and tiny.returncode == 0, tiny.stderr[-2000:]
+    assert "Traceback" not in tiny.stderr
+    assert json.loads(tiny.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]

@@ -38,6 +38,9 @@ def serve_command(
     unix_socket: Annotated[
         Path | None, typer.Option("--unix-socket", help="listen on this Unix socket instead of TCP")
     ] = None,
+    socket_mode: Annotated[
+        str, typer.Option("--socket-mode", help="the Unix socket's permissions, in octal (0660: owner and group)")
+    ] = "0660",
     listen: Annotated[
         str | None,
         typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
@@ -162,12 +165,14 @@ def serve_command(
         compression = (compressor, keep_ratio, salient_ratio, affinity_weight)
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
+        mode = parse_socket_mode(socket_mode)
         options = ServeOptions(
             model=model,
             model_id=model_id,
             host=host,
             port=port,
             unix_socket=unix_socket,
+            socket_mode=mode,
             memory_budget=memory_budget,
             pinned_layers=pinned_layers,
             device=device,
@@ -190,6 +195,12 @@ def serve_command(
     except VismmoeError as e:
         raise fail(str(e)) from None
     raise typer.Exit(code)
+
+
+def parse_socket_mode(text: str) -> int:
+    if not (3 <= len(text) <= 4 and all(c in "01234567" for c in text)) or int(text, 8) > 0o777:
+        raise VismmoeError(f"--socket-mode {text!r}: give permissions in octal, such as 0660 or 0600")
+    return int(text, 8)
 
 
 def install_service_command(

@@ -194,11 +194,13 @@ def make_plan(
     ]
     if m_e < one_layer_topk:
         where = "raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory"
+        # `plan` takes --c-safe-gib; `run` and `serve` take C_safe from the profile only
+        lower_c_safe = "lower --c-safe-gib" if c_safe is not None else "choose a --profile with a smaller c_safe_gib"
         raise VismmoeError(
             f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
             f"{format_bytes(c_safe_b)} - resident weights {format_bytes(resident)} - KV, activations and reads "
             f"{format_bytes(others)}) cannot hold one layer's top-{k} experts ({format_bytes(one_layer_topk)}); "
-            f"{where} or lower --c-safe-gib"
+            f"{where} or {lower_c_safe}"
         )
 
     if m_e >= n * s_layer:

@@ -55,6 +55,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     unix_socket: Path | None = None
+    socket_mode: int = 0o660  # the Unix socket's permissions, set by the daemon (not left to the umask)
     memory_budget: str = "auto"  # auto, and pinned_layers None, and tier auto: the planner's
     pinned_layers: int | None = None
     device: str = "auto"
@@ -426,7 +427,7 @@ def serve(options: ServeOptions) -> int:
 
 def start_http(options: ServeOptions, service: Service) -> TCPServer | UnixServer:
     """Listen before loading: /health answers "loading", and a taken port fails before a long load."""
-    httpd = make_server(options.host, options.port, options.unix_socket, service)
+    httpd = make_server(options.host, options.port, options.unix_socket, service, options.socket_mode)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True).start()
     if options.unix_socket is None and not service.policy.loopback_only and not options.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", options.host)

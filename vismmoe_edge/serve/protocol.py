@@ -23,6 +23,10 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_DEPTH = 64  # JSON nesting of a request body (a schema in response_format included)
 INT64 = (-(2**63), 2**63 - 1)
+# Below these, sampling is greedy in all but name, and the arithmetic breaks: logits / 1e-300 overflows float32 to
+# inf (NaN probabilities), and a top_p that rounds to 0 in float32 drops even the most likely token.
+MIN_TEMPERATURE = 1e-6  # below: greedy (temperature 0), the limit as the temperature goes to 0
+MIN_TOP_P = 1e-6  # below: 1e-6, which keeps only the most likely token, as any smaller top_p would
 # Fields that would change the reply and that we cannot honour: refused, never silently ignored.
 UNSUPPORTED = {
     "tools": "tools and function calling are not supported",
@@ -140,6 +144,11 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema"}
+
+
+def sampling_floor(temperature: float, top_p: float) -> tuple[float, float]:
+    """(temperature, top_p) as sampled: tiny values replaced by their limits (shared with `vismmoe-edge run`)."""
+    return (0.0 if temperature < MIN_TEMPERATURE else temperature), max(top_p, MIN_TOP_P)
 
 
 def _is_int(value: object) -> bool:
@@ -281,10 +290,13 @@ def parse_chat_request(body: object, limits: Limits, load_image: ImageLoader, vo
     min_tokens = parse_int(body, "min_tokens", 0, 0, max_tokens)
     if response_format is not None and min_tokens:
         raise bad_request("'min_tokens' cannot be combined with response_format", "min_tokens")
+    temperature, top_p = sampling_floor(
+        parse_number(body, "temperature", 0.0, 0.0, 2.0), parse_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
+    )
     sampling = dict(
         max_tokens=max_tokens,
-        temperature=parse_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        temperature=temperature,
+        top_p=top_p,
         seed=seed,
         stop=parse_stop(body.get("stop")),
         stream=stream,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import socketserver
 import stat
@@ -134,16 +135,22 @@ class TCPServer(ServerMixin, ThreadingHTTPServer):
 class UnixServer(ServerMixin, ThreadingHTTPServer):
     address_family = socket.AF_UNIX
 
-    def __init__(self, path: Path, service: Service) -> None:
+    def __init__(self, path: Path, service: Service, mode: int = 0o660) -> None:
         self.service = service
         self.path = path
+        self.mode = mode
         self.init_cap(service.limits.max_connections, service.limits.max_connections_per_client)
         super().__init__(str(path), Handler)
 
     def server_bind(self) -> None:
         remove_stale_socket(self.path)
-        socketserver.TCPServer.server_bind(self)
+        old = os.umask(0o177)  # created 0600 at most: never, even for an instant, what the umask allows
+        try:
+            socketserver.TCPServer.server_bind(self)
+        finally:
+            os.umask(old)
         self.bound = True  # from now on the socket file is ours to remove
+        os.chmod(self.path, self.mode)  # the daemon's mode (--socket-mode), not the umask's
         self.server_name, self.server_port = "localhost", 0
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -196,10 +203,12 @@ def parse_listen(text: str) -> tuple[str, int, Path | None]:
     return host.removeprefix("[").removesuffix("]"), int(port), None
 
 
-def make_server(host: str, port: int, unix_socket: Path | None, service: Service) -> TCPServer | UnixServer:
+def make_server(
+    host: str, port: int, unix_socket: Path | None, service: Service, socket_mode: int = 0o660
+) -> TCPServer | UnixServer:
     try:
         if unix_socket is not None:
-            return UnixServer(unix_socket, service)
+            return UnixServer(unix_socket, service, socket_mode)
         return TCPServer(host, port, service)
     except OSError as e:
         where = unix_socket or f"{host}:{port}"
