@@ -7,6 +7,7 @@ the default tens of seconds; the clients are raw sockets (an attacker's) and the
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
@@ -370,3 +371,23 @@ def test_run_with_a_tiny_temperature_decodes_greedily() -> None:
     assert greedy.returncode == 0 and tiny.returncode == 0, tiny.stderr[-2000:]
     assert "Traceback" not in tiny.stderr
     assert json.loads(tiny.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]
+
+
+# ---- memory accounting ----------------------------------------------------------------------------------------
+
+
+def test_admission_charges_the_planned_peak_of_the_images(server: Server) -> None:
+    """Two 4096x4096 images plan 2 x 2 x 64 MiB + 12 B x 16.8 Mpx = 448 MiB (measured: tools/bench/request_peak.py):
+    admitted under the default 512 MiB; three plan 576 MiB: refused from their headers, nothing decoded."""
+    from test_serve_memory import big_png
+
+    from vismmoe_edge.serve.images import PendingImage, planned_peak
+
+    one = PendingImage(b"", 4096, 4096, "RGB", "")
+    assert planned_peak([one, one]) == 448 << 20 and planned_peak([one] * 3) == 576 << 20
+    url = "data:image/png;base64," + base64.b64encode(big_png()).decode()
+    status, payload = server.chat({"messages": user("?", *[url] * 3), "max_tokens": 2})
+    assert_error(status, payload, 400, "image_too_large")
+    assert "at their peak" in payload["error"]["message"]
+    status, payload = server.chat({"messages": user("?", url, url), "max_tokens": 2})
+    assert status == 200, payload

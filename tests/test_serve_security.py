@@ -374,7 +374,7 @@ def test_oversized_images_are_refused_from_their_headers_before_admission(server
     start = time.monotonic()
     status, body = srv.chat({"messages": user("Describe.", *[url] * 8), "max_tokens": 2})
     seconds = time.monotonic() - start
-    assert_error(status, body, 400, "image_too_large")  # 8 x 48 MiB decoded > --max-decoded-bytes 256 MiB
+    assert_error(status, body, 400, "image_too_large")  # 8 x 64 MiB decoded, planned 1.2 GiB > 512 MiB
     assert "decoded" in body["error"]["message"] and seconds < 5
     rss_after = srv.metrics()["process_resident_memory_bytes"]
     assert rss_after - rss_before < 64 << 20  # nothing was decoded (one image alone is 48 MiB)

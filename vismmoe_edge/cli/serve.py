@@ -107,8 +107,11 @@ def serve_command(
     max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "32MiB",
     max_decoded_bytes: Annotated[
-        str, typer.Option("--max-decoded-bytes", help="a request's images once decoded (from their headers)")
-    ] = "256MiB",
+        str,
+        typer.Option(
+            "--max-decoded-bytes", help="a request's images at their peak, decoded and processed (from their headers)"
+        ),
+    ] = "512MiB",
     max_pending_bytes: Annotated[
         str, typer.Option("--max-pending-bytes", help="request bodies held at once; more get 503")
     ] = "256MiB",

@@ -50,7 +50,7 @@ class Limits:
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB  # one image as sent (compressed)
     max_image_pixels: int = 4096 * 4096  # one image, from its header, before any decode
-    max_decoded_bytes: int = 256 * MiB  # all images of a request once decoded, from their headers
+    max_decoded_bytes: int = 512 * MiB  # a request's images at their peak in the worker (images.planned_peak)
     max_pending_bytes: int = 256 * MiB  # request bodies held at once (read, queued or running)
     max_images: int = 8
     max_prompt_tokens: int = 4096
