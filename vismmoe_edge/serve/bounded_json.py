@@ -12,15 +12,15 @@ naming it, before anything else is read.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
+from json.decoder import scanstring  # type: ignore[attr-defined]
 
 from vismmoe_edge.serve.protocol import MAX_DEPTH, MAX_LOGIT_BIAS, Limits, bad_request
 
-# A string (the unrolled form: linear time, no backtracking), one punctuation byte, a number or literal, or a
-# quote that starts no complete string (an unterminated string: refused at once, never rescanned).
-TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\],:]|[^\s{}\[\],:"]+|"')
+# Punctuation, a string's opening quote, or a number or literal; strings themselves are read by json's own C
+# scanner (scanstring), so that escapes and long strings cost C time, not a Python loop or a regex's backtracking.
+TOKEN = re.compile(r'[{}\[\],:"]|[^\s{}\[\],:"]+')
 MAX_LITERAL_BYTES = 64  # a number or true/false/null; a 4,301-digit integer is a ValueError in json.loads
 MAX_SCHEMA_NODES = 20_000  # a response_format schema (constraints.py bounds its compile separately)
 NODES_PER_PROMPT_TOKEN = 8  # a message, or a content part, holds at least one token and costs a few nodes
@@ -58,50 +58,48 @@ def too_big(what: str) -> Exception:
 def check_json_bounds(data: bytes, limits: JsonLimits) -> None:
     """Raise a 400 if parsing `data` would build more than `limits` allow, or if a top-level field is unknown.
     Invalid JSON that passes is left for json.loads to refuse (this only bounds what it would build)."""
-    nodes = depth = 0
+    try:
+        text = data.decode("utf-8")  # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid JSON (not UTF-8)", code="invalid_json") from None
+    nodes = depth = pos = 0
     key_next = False  # the next string, at depth 1 of an object, is a top-level key
-    stack: list[int] = []  # the open containers: ord("{") or ord("[")
-    for match in TOKEN.finditer(data):
+    stack: list[str] = []  # the open containers
+    while (match := TOKEN.search(text, pos)) is not None:
         token = match.group()
-        first = token[0]
-        if first == 0x22:  # '"'
-            if len(token) == 1:
-                raise bad_request("the request body is not valid JSON (an unterminated string)", code="invalid_json")
-            if len(token) > limits.max_string_bytes:
-                raise too_big(f"a string of {len(token)} bytes (the limit is {limits.max_string_bytes})")
+        pos = match.end()
+        if token == '"':
+            try:
+                value, pos = scanstring(text, pos)
+            except ValueError:
+                raise bad_request(
+                    "the request body is not valid JSON (a malformed string)", code="invalid_json"
+                ) from None
+            if pos - match.start() > limits.max_string_bytes:
+                raise too_big(f"a string of {pos - match.start()} characters (the limit is {limits.max_string_bytes})")
             nodes += 1
-            if key_next and depth == 1 and limits.fields is not None:
-                check_field(token, limits.fields)
+            if key_next and depth == 1 and limits.fields is not None and value not in limits.fields:
+                shown = value if len(value) <= 60 else value[:57] + "..."
+                raise bad_request(f"unknown field {shown!r} in the request body", shown, "unknown_parameter")
             key_next = False
-        elif first in (0x7B, 0x5B):  # '{' '['
+            del value
+        elif token in "{[":
             nodes += 1
             depth += 1
             if depth > limits.max_depth:
-                raise bad_request(
-                    f"the request body nests too deeply (more than {limits.max_depth} levels)", code="invalid_json"
-                )
-            stack.append(first)
-            key_next = first == 0x7B
-        elif first in (0x7D, 0x5D):  # '}' ']'
+                message = f"the request body nests too deeply (more than {limits.max_depth} levels)"
+                raise bad_request(message, code="invalid_json")
+            stack.append(token)
+            key_next = token == "{"
+        elif token in "}]":
             if stack:
                 stack.pop()
             depth = max(0, depth - 1)
             key_next = False
-        elif first == 0x2C:  # ','
+        elif token == ",":
             nodes += 1
-            key_next = bool(stack) and stack[-1] == 0x7B
-        elif first != 0x3A:  # a number or literal (':' separates a key from its value)
-            if len(token) > MAX_LITERAL_BYTES:
-                raise too_big(f"a number or literal of {len(token)} bytes (the limit is {MAX_LITERAL_BYTES})")
+            key_next = bool(stack) and stack[-1] == "{"
+        elif token != ":" and len(token) > MAX_LITERAL_BYTES:  # a number or literal
+            raise too_big(f"a number or literal of {len(token)} characters (the limit is {MAX_LITERAL_BYTES})")
         if nodes > limits.max_nodes:
             raise too_big(f"more than {limits.max_nodes} JSON values")
-
-
-def check_field(token: bytes, fields: frozenset[str]) -> None:
-    try:
-        name = json.loads(token)
-    except (ValueError, UnicodeDecodeError):
-        return  # json.loads will refuse the body
-    if name not in fields:
-        shown = name if len(name) <= 60 else name[:57] + "..."
-        raise bad_request(f"unknown field {shown!r} in the request body", shown, "unknown_parameter")

@@ -79,6 +79,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.rfile.close()  # the plain socket file: every read goes through the deadlines instead
         self.reader = DeadlineReader(self.connection, self.timeout)
         self.rfile = io.BufferedReader(self.reader, 65536)
 
