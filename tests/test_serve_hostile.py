@@ -220,12 +220,17 @@ def test_slow_clients_cannot_take_every_connection_and_health_answers(capped: Se
     status, payload = ask(others.pop(), post_head(str(len(body))), body)
     assert status == 200, payload
     held = socket_from(capped, "127.0.0.2")  # back at the cap
+    probing = [socket_from(capped, "127.0.0.1") for _ in range(2)]  # the slow client takes its 2 probe slots
+    for sock in probing:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")
     time.sleep(0.2)
-    status, payload = ask(socket_from(capped, "127.0.0.3"), HEALTH)
+    status, payload = ask(socket_from(capped, "127.0.0.1"), HEALTH)  # no third one for it: refused at once
+    assert_error(status, payload, 503, "too_many_connections")
+    status, payload = ask(socket_from(capped, "127.0.0.3"), HEALTH)  # another client's probe is answered
     assert status == 200 and payload["status"] == "ok"
     status, payload = ask(socket_from(capped, "127.0.0.3"), post_head("2"), b"{}")
     assert_error(status, payload, 503, "too_many_connections")
-    for sock in [*slow, *others, held]:
+    for sock in [*slow, *others, held, *probing]:
         sock.close()
 
 

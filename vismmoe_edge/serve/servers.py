@@ -27,6 +27,7 @@ from vismmoe_edge.serve.http import Handler, ProbeHandler, Service
 from vismmoe_edge.serve.protocol import busy
 
 PROBE_SLOTS = 4  # connections past the caps read for a /health or /metrics probe
+PROBE_SLOTS_PER_CLIENT = 2  # so that one client trickling bytes cannot hold them all
 
 
 class ServerMixin:
@@ -39,7 +40,7 @@ class ServerMixin:
         self.max_per_client = per_client
         self.connections = 0
         self.per_client: Counter[str] = Counter()
-        self.probes = 0
+        self.probes: Counter[str] = Counter()
         self.connections_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -48,12 +49,13 @@ class ServerMixin:
             full = self.connections >= self.max_connections
             crowded = self.per_client[client] >= self.max_per_client
             admitted = not full and not crowded
-            probe = not admitted and self.probes < PROBE_SLOTS
+            probe = not admitted and self.probes.total() < PROBE_SLOTS
+            probe = probe and self.probes[client] < PROBE_SLOTS_PER_CLIENT
             if admitted:
                 self.connections += 1
                 self.per_client[client] += 1
             elif probe:
-                self.probes += 1
+                self.probes[client] += 1
         if admitted:
             try:
                 super().process_request(request, client_address)  # type: ignore[misc]
@@ -65,16 +67,18 @@ class ServerMixin:
             refuse_connection(request, self.cap_reason(client))
             self.shutdown_request(request)  # type: ignore[attr-defined]
             return
-        threading.Thread(target=self.serve_probe, args=(request, client_address), daemon=True).start()
+        threading.Thread(target=self.serve_probe, args=(request, client_address, client), daemon=True).start()
 
-    def serve_probe(self, request: Any, client_address: Any) -> None:
+    def serve_probe(self, request: Any, client_address: Any, client: str) -> None:
         try:
             ProbeHandler(request, client_address, self)
         except Exception:  # noqa: S110 - a probe connection that fails is simply closed
             pass
         finally:
             with self.connections_lock:
-                self.probes -= 1
+                self.probes[client] -= 1
+                if self.probes[client] <= 0:
+                    del self.probes[client]
             self.shutdown_request(request)  # type: ignore[attr-defined]
 
     def cap_reason(self, client: str) -> str:
