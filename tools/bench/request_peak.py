@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The real memory peak of one admitted request, against what --max-decoded-bytes charges for it.
+"""The real memory peak of one admitted request, against its decoded bytes and the peak admission plans for it.
 
---max-decoded-bytes bounds a request's images from their headers (4 bytes a pixel for RGB, PIL's RGBX, plus an
+A request's images are known from their headers: decoded bytes (4 bytes a pixel for RGB, PIL's RGBX, plus an
 RGB copy for other modes: serve/images.py). The worker then decodes them and the model's processor converts
-them (numpy arrays, float32 rescaling, patches), so the real peak is a multiple of that charge. This starts a
-daemon in a memory cgroup (tools/bench/memcgroup.py; root, cgroup v1), warms it, and for each case sends one
-request alone and reads the cgroup's peak (memory.max_usage_in_bytes, reset before each request) minus the
-usage just before it: the request's real cost. Reported per case: the charge, the cost, their ratio.
+them (numpy arrays, float32 rescaling, patches), so the real peak is a multiple of the decoded bytes; admission
+charges images.planned_peak against --max-decoded-bytes. This starts a daemon in a memory cgroup
+(tools/bench/memcgroup.py; root, cgroup v1), warms it, and for each case sends one request alone and reads the
+cgroup's peak (memory.max_usage_in_bytes, reset before each request) minus the usage just before it: the
+request's real cost. Reported per case: decoded bytes, planned peak, cost, cost / decoded, cost / planned.
 
     sudo python tools/bench/request_peak.py --json peak.json
 """
@@ -47,10 +48,12 @@ def png(side: int, mode: str) -> bytes:
     return buf.getvalue()
 
 
-def charge(count: int, side: int, mode: str) -> int:
-    from vismmoe_edge.serve.images import PendingImage
+def charges(count: int, side: int, mode: str) -> tuple[int, int]:
+    """(decoded bytes, planned peak) of `count` images of side x side in `mode`, as admission computes them."""
+    from vismmoe_edge.serve.images import PendingImage, planned_peak
 
-    return count * PendingImage(b"", side, side, mode, "").decoded_bytes
+    images = [PendingImage(b"", side, side, mode, "")] * count
+    return sum(i.decoded_bytes for i in images), planned_peak(images)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +93,13 @@ def main(argv: list[str] | None = None) -> int:
                 cgroup.reset_peak()
                 status = send(parts)
                 cost = cgroup.max_usage_bytes() - before
-                bound = charge(count, side, mode)
-                rows.append({"case": name, "status": status, "charge_bytes": bound, "cost_bytes": cost,
-                             "multiple": round(cost / bound, 2)})  # fmt: skip
-                print(f"{name:>18}: status {status}, charged {bound / 2**20:7.1f} MiB, cost {cost / 2**20:7.1f} MiB, "
-                      f"x{cost / bound:.2f}", flush=True)  # fmt: skip
+                decoded, planned = charges(count, side, mode)
+                rows.append({"case": name, "status": status, "decoded_bytes": decoded, "planned_bytes": planned,
+                             "cost_bytes": cost, "per_decoded": round(cost / decoded, 2),
+                             "per_planned": round(cost / planned, 2)})  # fmt: skip
+                print(f"{name:>18}: status {status}, decoded {decoded / 2**20:7.1f} MiB, planned "
+                      f"{planned / 2**20:7.1f} MiB, cost {cost / 2**20:7.1f} MiB: x{cost / decoded:.2f} of decoded, "
+                      f"x{cost / planned:.2f} of planned", flush=True)  # fmt: skip
         finally:
             d.proc.terminate()
             d.proc.wait(timeout=60)
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "model": model,
         "cases": rows,
-        "worst_multiple": max(r["multiple"] for r in rows),
+        "worst_per_decoded": max(r["per_decoded"] for r in rows),
+        "worst_per_planned": max(r["per_planned"] for r in rows),
     }
     print(json.dumps(report, indent=2))
     if args.json is not None:
