@@ -176,6 +176,8 @@ def check_image_files(paths: list[Path]) -> None:
     for path in paths:
         try:
             mode = path.stat().st_mode
+        except FileNotFoundError:
+            continue  # said where the image is read, as before
         except OSError as e:
             raise VismmoeError(f"--image {path}: cannot read it ({e.strerror})") from None
         if not stat.S_ISREG(mode):
