@@ -48,7 +48,9 @@ class JsonLimits:
         text = 3 * max_text_bytes
         nodes = NODES_PER_PROMPT_TOKEN * limits.max_prompt_tokens + 8 * limits.max_images
         nodes += 2 * MAX_LOGIT_BIAS + MAX_SCHEMA_NODES + 64
-        return cls(max_nodes=nodes, max_string_bytes=max(data_url, text, 4096))
+        # Twice the longest useful string: one a little too long gets the specific answer of the check that
+        # knows its purpose (image_too_large, context_length_exceeded) instead of this generic one.
+        return cls(max_nodes=nodes, max_string_bytes=2 * max(data_url, text, 4096))
 
 
 def too_big(what: str) -> Exception:
