@@ -120,7 +120,7 @@ def test_a_fixed_budget_beyond_the_cgroup_is_refused(tiny, tmp_path):
     root = v1_tree(tmp_path, 400 * MIB, 300 * MIB)
     info = inspect_checkpoint(tiny)
     with pytest.raises(VismmoeError, match="exceed what the memory cgroup leaves") as e:
-        check_fixed_budget("2GiB", "unified", info, root)
+        check_fixed_budget(2 << 30, "unified", info, root)
     assert "\n" not in str(e.value)
-    check_fixed_budget("1MiB", "unified", info, root)  # fits beside the model's ~70 MiB of other parts
-    check_fixed_budget("2GiB", "gpu", info, root)  # GPU memory is not the cgroup's
+    check_fixed_budget(1 << 20, "unified", info, root)  # fits beside the model's ~70 MiB of other parts
+    check_fixed_budget(2 << 30, "gpu", info, root)  # GPU memory is not the cgroup's

@@ -183,7 +183,8 @@ def _reference_saliency(visual, pixel_values, grid, monkeypatch: pytest.MonkeyPa
 def test_vision_saliency_matches_materialised_attention(tower, monkeypatch: pytest.MonkeyPatch) -> None:
     visual, pixel_values, grid = tower
     assert grid[0].tolist() != grid[1].tolist()
-    with torch.no_grad(), VisionSaliency(visual, chunk=16) as sal:  # chunk < patches per image
+    rotary = qmod.apply_rotary_pos_emb_vision
+    with torch.no_grad(), VisionSaliency(visual, chunk=16, rotary=rotary) as sal:  # chunk < patches per image
         visual(pixel_values, grid_thw=grid)
     got = sal.per_image()
     want = _reference_saliency(visual, pixel_values, grid, monkeypatch)
@@ -198,7 +199,7 @@ def test_vision_saliency_leaves_output_unchanged_and_removes_hooks(tower) -> Non
     before = _hook_counts(visual)
     with torch.no_grad():
         plain = visual(pixel_values, grid_thw=grid)
-        with VisionSaliency(visual) as sal:
+        with VisionSaliency(visual, rotary=qmod.apply_rotary_pos_emb_vision) as sal:
             assert _hook_counts(visual) != before
             captured = visual(pixel_values, grid)  # grid_thw given positionally works too
         assert _hook_counts(visual) == before
@@ -215,11 +216,11 @@ def test_vision_saliency_leaves_output_unchanged_and_removes_hooks(tower) -> Non
 def test_vision_saliency_removes_hooks_on_error(tower) -> None:
     visual, pixel_values, grid = tower
     before = _hook_counts(visual)
-    with pytest.raises(RuntimeError, match="boom"), VisionSaliency(visual):
+    with pytest.raises(RuntimeError, match="boom"), VisionSaliency(visual, rotary=qmod.apply_rotary_pos_emb_vision):
         raise RuntimeError("boom")
     assert _hook_counts(visual) == before
 
 
 def test_vision_saliency_needs_a_forward(tower) -> None:
     with pytest.raises(RuntimeError, match="no vision forward"):
-        VisionSaliency(tower[0]).per_image()
+        VisionSaliency(tower[0], rotary=qmod.apply_rotary_pos_emb_vision).per_image()

@@ -36,7 +36,9 @@ def available_for(model: Path, expert_bytes: int) -> int:
 def test_nothing_left_to_the_plan_is_taken_as_given(tiny: Path) -> None:
     options = LoadOptions(memory_budget="40%", pinned_layers=1, tier="host")
     resolved = resolve(options, inspect_checkpoint(tiny))
-    assert (resolved.memory_budget, resolved.pinned_layers, resolved.tier) == ("40%", 1, "host")
+    total = describe_checkpoint(tiny)["total_expert_bytes"]  # float32 stored and computed
+    assert resolved.memory_budget_bytes == parse_budget("40%", total)
+    assert (resolved.pinned_layers, resolved.tier) == (1, "host")
     assert resolved.prefetch_depth == DEFAULT_PREFETCH_DEPTH and resolved.plan is None and resolved.note == ""
 
 
@@ -46,7 +48,7 @@ def test_auto_takes_every_number_from_the_plan(tiny: Path) -> None:
     resolved = resolve(LoadOptions(profile=NANO), inspect_checkpoint(tiny), mem_available=available_for(tiny, m_e))
     plan = resolved.plan
     assert plan is not None
-    assert resolved.memory_budget == str(plan.memory_budget_bytes) == str(m_e)
+    assert resolved.memory_budget_bytes == plan.memory_budget_bytes == m_e
     assert (resolved.pinned_layers, resolved.tier, resolved.prefetch_depth) == (3, "unified", plan.prefetch_depth)
     assert f"profile {NANO}" in resolved.note and "prefetch depth 2" in resolved.note
 
@@ -58,7 +60,7 @@ def test_a_fixed_budget_caps_the_planned_pinned_depth(tiny: Path) -> None:
     budget = str(2 * s_layer + s_e)  # room for two layers and one streamed expert
     resolved = resolve(LoadOptions(memory_budget=budget, profile=NANO), inspect_checkpoint(tiny), mem_available=roomy)
     assert resolved.plan is not None and resolved.plan.pinned_layers == 3
-    assert resolved.pinned_layers == 2 and resolved.memory_budget == budget
+    assert resolved.pinned_layers == 2 and resolved.memory_budget_bytes == int(budget)
     assert parse_budget(budget, d["total_expert_bytes"]) - 2 * s_layer >= s_e
 
 
@@ -93,3 +95,28 @@ def test_loading_reads_the_checkpoint_once(tiny: Path, monkeypatch: pytest.Monke
     engine, _ = load_engine(tiny, LoadOptions(profile=NANO, device="cpu"), mem_available=available)
     engine.experts.pipeline.close()
     assert calls == [tiny]  # the planner and the loader share one inspection
+
+
+def test_a_percentage_budget_is_of_the_compute_dtype_bytes_the_cache_holds(tmp_path: Path) -> None:
+    """--dtype float32 on a bf16 checkpoint: "40%", the plan and the loaded cache all count float32 experts."""
+    import torch
+
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint(tmp_path / "bf16", num_layers=8, dtype=torch.bfloat16)
+    info = inspect_checkpoint(model)
+    d = describe_checkpoint(info)
+    s_e, s_layer = 2 * d["bytes_per_expert"], 2 * d["expert_bytes_per_layer"]  # float32 = twice the stored bf16
+    fixed = LoadOptions(memory_budget="40%", pinned_layers=1, tier="host", dtype="float32", device="cpu")
+    resolved = resolve(fixed, info)
+    assert resolved.memory_budget_bytes == parse_budget("40%", 2 * d["total_expert_bytes"])
+    engine, _ = load_engine(info, fixed)
+    assert engine.dtype == torch.float32
+    assert engine.experts.pipeline.capacity == (resolved.memory_budget_bytes - s_layer) // s_e
+
+    # Room for two float32 layers: counted at bf16 the plan would pin three (l_semantic) and overfill the cache.
+    m_e = 2 * s_layer + 10 * s_e
+    planned = resolve(LoadOptions(profile=NANO, dtype="float32"), info, mem_available=available_for(model, m_e))
+    assert planned.plan is not None and planned.plan.s_layer_bytes == s_layer and planned.plan.bytes_per_expert == s_e
+    assert planned.pinned_layers == 2 and planned.memory_budget_bytes == m_e
+    assert any("compute dtype float32" in line for line in planned.plan.why)

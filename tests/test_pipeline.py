@@ -11,13 +11,13 @@ import torch
 
 from vismmoe_edge.checkpoint import read_tensor_table
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.pipeline import ExpertPipeline, State
+from vismmoe_edge.experts.pipeline import ExpertPipeline, State, TierDefaults
 from vismmoe_edge.experts.runtime import build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.models import qwen3_vl_moe
 
 
-class RecordingTier:
+class RecordingTier(TierDefaults):
     """A tier that records fetch order and can hold fetches back, to test scheduling deterministically."""
 
     name = "fake"

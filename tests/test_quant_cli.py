@@ -126,3 +126,29 @@ def test_the_planner_counts_quantized_bytes(quantized: Path, source: Path) -> No
     dense = make_plan(source, get_profile("orin-nano-8gb-super--maxn-super"), mem_available=10**9, c_safe=0)
     assert q.bytes_per_expert == 23040 and dense.bytes_per_expert == 3 * 128 * 96 * 4  # int4 g32 record; fp32
     assert q.s_layer_bytes == 16 * q.bytes_per_expert and "int4-g32" in " ".join(q.why)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_shipped_model_quantizes_with_defaults(bits: int, tmp_path: Path) -> None:
+    from vismmoe_edge.demo import TRAINED_DEMO_DIR
+
+    out = tmp_path / f"int{bits}"
+    proc = run_cli("quantize", str(TRAINED_DEMO_DIR), str(out), "--bits", str(bits), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    if bits == 4:  # hidden 192, moe_intermediate 48: 128 divides neither, no kernel group divides 48
+        assert "int4, group 48 (picked: divides hidden 192 and moe_intermediate 48" in proc.stdout
+        assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 48
+    else:
+        assert "int8, per output channel" in proc.stdout and "picked" not in proc.stdout
+    proc = run_cli("run", "--model", str(out), "--prompt", "What shape is it?", "--max-new-tokens", "2")
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+
+
+def test_pick_group_size_prefers_128_then_kernel_groups() -> None:
+    from vismmoe_edge.errors import VismmoeError
+    from vismmoe_edge.quant.config import pick_group_size
+
+    assert pick_group_size(2048, 768) == 128  # Qwen3-VL-30B-A3B
+    assert pick_group_size(192, 96) == 32 and pick_group_size(192, 48) == 48 and pick_group_size(30, 18) == 6
+    with pytest.raises(VismmoeError, match="no even divisor"):
+        pick_group_size(15, 9)

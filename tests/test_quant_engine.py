@@ -51,6 +51,9 @@ def quantized(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     out["int4-rowmajor"] = quantize_checkpoint(sources["v5"], root / "rowmajor", 4, 32, progress=False,
                                                layout="rowmajor")  # fmt: skip
     out["int4-g16-narrow"] = quantize_checkpoint(sources["narrow"], root / "narrow", 4, 16, progress=False)
+    for dense_bits in (4, 8):  # attention, lm_head at dense_bits, the vision tower at int8
+        out[f"int4-dense{dense_bits}"] = quantize_checkpoint(sources["v5"], root / f"dense{dense_bits}", 4, 32,
+                                                             progress=False, dense_bits=dense_bits)  # fmt: skip
     return out
 
 
@@ -160,3 +163,44 @@ def test_the_cuda_form_is_tinygemm_for_kernel_widths(quantized) -> None:
     views = form.views(buf)
     assert views.gate_up.qweight.shape == tinygemm_shape(192, 128, 8) and views.gate_up.qweight.dtype == torch.int32
     assert views.nbytes == spec.nbytes  # the tiles take the nibbles' bytes: a GPU slot is one record
+
+
+@pytest.mark.parametrize("dense_bits", [4, 8])
+@pytest.mark.parametrize("tier", ["host", "unified"])
+def test_quantized_dense_weights_match_transformers_on_the_dequantized_file(quantized, references, dense_bits, tier):
+    """`--dense-bits`: attention projections and lm_head run torch's int4/int8 kernels, the vision tower int8, the
+    embedding is read by row from the shard; transformers on the same file dequantized gives the same tokens."""
+    from vismmoe_edge.quant.dense import QuantizedLinear, RowEmbedding
+
+    name = f"int4-dense{dense_bits}"
+    engine = load(quantized[name], "25%", tier)
+    lm, model = engine.language_model, engine.model
+    attention = lm.layers[0].self_attn
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == dense_bits
+    assert all(isinstance(getattr(attention, p), QuantizedLinear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert attention.q_proj.bits == dense_bits
+    assert isinstance(model.model.visual.blocks[0].attn.qkv, QuantizedLinear)
+    assert model.model.visual.blocks[0].attn.qkv.bits == 8
+    assert isinstance(lm.embed_tokens, RowEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) and "experts" not in n and not n.endswith("gate")
+                   for n, m in model.named_modules())  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the kernels on the stored bytes, no fallback
+        assert_matches(engine, references(name))
+
+
+@pytest.mark.parametrize("dense_bits", [4, 8])
+def test_quantized_dense_weights_through_the_static_decoder(quantized, references, dense_bits) -> None:
+    engine = load(quantized[f"int4-dense{dense_bits}"], "25%", "host")
+    engine.static_decode = "on"
+    assert engine.uses_static_decode()
+    assert_matches(engine, references(f"int4-dense{dense_bits}"), static=True)
+
+
+def test_quantized_dense_weights_are_smaller(sources, quantized) -> None:
+    from vismmoe_edge.checkpoint_info import inspect_checkpoint
+
+    full = sum(i.nbytes for i in inspect_checkpoint(sources["v5"]).resident_tensors.values())
+    for dense_bits, bound in ((8, 0.5), (4, 0.4)):
+        info = inspect_checkpoint(quantized[f"int4-dense{dense_bits}"])
+        assert sum(i.nbytes for i in info.resident_tensors.values()) < bound * full

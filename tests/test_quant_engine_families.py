@@ -137,3 +137,49 @@ def test_deepseek_vl2_int4_with_images_matches_the_plain_reference(deepseek, bud
         embeds = reference.w["language.model.embed_tokens.weight"][inputs.input_ids[0]]
         embeds[inputs.input_ids[0] == image_id] = reference.image_tokens(inputs.pixel_values, grid)
         assert (logits - reference.logits(embeds)).abs().max() <= LOGIT_ATOL, prompt
+
+
+@pytest.fixture(scope="module")
+def glm_dense(tmp_path_factory: pytest.TempPathFactory, images: list[Path]) -> tuple[Path, dict]:
+    """GLM-4.5V with --dense-bits 4: attention, the dense layer's MLP, the shared experts and lm_head int4."""
+    from vismmoe_edge.testing.tiny_glm4v import build_tiny_glm4v_checkpoint
+
+    root = tmp_path_factory.mktemp("qglmd")
+    src = build_tiny_glm4v_checkpoint(root / "src", seed=7, num_layers=3, moe_intermediate=96)
+    q = quantize_checkpoint(src, root / "int4", 4, 32, progress=False, dense_bits=4)
+    model = Glm4vMoeForConditionalGeneration.from_pretrained(
+        dequantize_checkpoint(q, root / "deq"), experts_implementation="eager"
+    ).eval()
+    return q, hf_references(model, vismmoe_edge.load(q, device="cpu").encode, images)
+
+
+def test_glm4v_dense_int4_matches_transformers(glm_dense) -> None:
+    from vismmoe_edge.quant.dense import QuantizedLinear
+
+    q, refs = glm_dense
+    engine = vismmoe_edge.load(q, memory_budget="50%", pinned_layers=0, tier="host", device="cpu")
+    layers = engine.language_model.layers
+    assert isinstance(layers[0].mlp.gate_proj, QuantizedLinear) and layers[0].mlp.gate_proj.bits == 4  # dense layer
+    assert isinstance(layers[1].mlp.shared_experts.up_proj, QuantizedLinear)
+    assert not isinstance(layers[1].mlp.gate, QuantizedLinear)  # the router stays float
+    assert_matches(engine, refs)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from vismmoe_edge.testing.tiny_deepseek_vl2 import build_tiny_deepseek_vl2_checkpoint
+
+    root = tmp_path_factory.mktemp("qdsd")
+    src = build_tiny_deepseek_vl2_checkpoint(root / "src", "small", seed=3, num_layers=5)
+    q = quantize_checkpoint(src, root / "int4", 4, 32, progress=False, dense_bits=4)
+    return q, dequantize_checkpoint(q, root / "deq")
+
+
+def test_deepseek_vl2_dense_int4_text_matches_transformers(deepseek_dense) -> None:
+    """MLA projections, the dense layer's MLP, shared experts and lm_head int4; the embedding read by row."""
+    from vismmoe_edge.quant.dense import QuantizedLinear, RowEmbedding
+
+    engine = vismmoe_edge.load(deepseek_dense[0], device="cpu")
+    assert isinstance(engine.language_model.layers[0].self_attn.kv_b_proj, QuantizedLinear)
+    assert isinstance(engine.language_model.embed_tokens, RowEmbedding)
+    test_deepseek_vl2_int4_text_matches_transformers(deepseek_dense, "25%", "host")

@@ -34,6 +34,10 @@ def demo() -> tuple[object, object, D.TurnEncoder, F.FastModel]:
     return processor, model, encoder, F.FastModel(model, encoder, torch.device("cpu"))
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
 def pixels(scene: sv.Scene) -> torch.Tensor:
     return torch.from_numpy(np.array(sv.render(scene)))
 
@@ -60,7 +64,7 @@ def test_forward_equals_transformers_on_the_eval_prompt(demo) -> None:
         padded = torch.full((1, bucket.seq_len), encoder.pad_id)
         padded[0, : len(ids)] = torch.tensor(ids)
         got = fast.logits(pixels(ex.scene)[None], padded, bucket)[0, len(encoder.prompt_ids(ex.question)) - 1]
-    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+    assert relative_error(got, expected) < 1e-5
 
 
 def test_batched_vision_equals_per_image(demo) -> None:
@@ -74,9 +78,10 @@ def test_batched_vision_equals_per_image(demo) -> None:
         for i, scene in enumerate(scenes):
             inputs = processor.image_processor(images=[sv.render(scene)], return_tensors="pt")
             out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-            assert torch.allclose(merged[i * n : (i + 1) * n], out.pooler_output, atol=1e-5)
+            # float32 on the same weights, summed in another order: relative error of the tensor, not per element
+            assert relative_error(merged[i * n : (i + 1) * n], out.pooler_output) < 1e-5
             for mine, theirs in zip(deepstack, out.deepstack_features, strict=True):
-                assert torch.allclose(mine[i * n : (i + 1) * n], theirs, atol=1e-5)
+                assert relative_error(mine[i * n : (i + 1) * n], theirs) < 1e-5
 
 
 def test_dense_experts_equal_the_sparse_loop() -> None:
@@ -203,7 +208,7 @@ def test_smoke_run_resumes_and_records_the_lineage(tmp_path: Path) -> None:
     assert T.weights_digest(out) != T.weights_digest(TRAINED_DEMO_DIR)  # it trained
     # a second run continues from the first and extends the lineage
     again = T.main([str(tmp_path / "again"), "--smoke", "--init", str(out)])
-    assert again["run"] == 3 and again["resumed_from"]["runs_before"] == 2
+    assert again["run"] == len(shipped) + 2 and again["resumed_from"]["runs_before"] == len(shipped) + 1
 
 
 def test_training_stream_holds_no_split_scene() -> None:

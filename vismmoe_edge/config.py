@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.units import parse_size
+
+if TYPE_CHECKING:
+    from vismmoe_edge.checkpoint import ExpertCatalogue
 
 
 def parse_budget(text: str, total_bytes: int) -> int:
     """Bytes from "2GiB", "1.5GB", "512MiB", "123456" or a share of `total_bytes` such as "40%"."""
     return parse_size(text, what="memory budget", total=total_bytes)
+
+
+def cache_expert_bytes(catalogue: ExpertCatalogue, dtype: torch.dtype) -> int:
+    """Bytes one routed expert takes in memory: converted to the compute dtype (quantized: its record). What the
+    cache holds, so what the planner counts and what a percentage budget is a share of."""
+    if catalogue.quant is not None:
+        return catalogue.quant.nbytes
+    loc = next(iter(catalogue.experts.values()))
+    return sum(p.nbytes // TORCH_DTYPES[p.dtype].itemsize for p in loc.parts) * dtype.itemsize
+
+
+def budget_bytes(memory_budget: str | int, catalogue: ExpertCatalogue, dtype: torch.dtype) -> int:
+    """The expert budget in bytes: an int is bytes already; "40%" is a share of every routed expert at `dtype`
+    (the one definition of a percentage budget); "2GiB" is a size."""
+    if isinstance(memory_budget, int):
+        if memory_budget < 0:
+            raise VismmoeError(f"memory budget {memory_budget}: must not be negative")
+        return memory_budget
+    return parse_budget(memory_budget, cache_expert_bytes(catalogue, dtype) * len(catalogue.experts))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -21,6 +21,19 @@ def float_catalogue(directory: Path, table: dict[str, TensorInfo]) -> ExpertCata
     return family.catalogue_for(config, family.select_tensors(config, table))
 
 
+def linear_weights(directory: Path) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the family model's nn.Linear weights, routed experts and routers left out: what
+    `--dense-bits` quantizes. The model is built on the meta device (no memory)."""
+    from vismmoe_edge.models.resident import parameters_on_meta
+    from vismmoe_edge.quant.dense import linear_weights as linears
+
+    family = model_family(directory)
+    config = family.read_config(directory)
+    with parameters_on_meta():
+        model = family.model_class(config)
+    return {n: shape for n, shape in linears(model).items() if ".experts." not in n}
+
+
 def quantize_checkpoint(
     src: Path,
     out: Path,
@@ -30,10 +43,12 @@ def quantize_checkpoint(
     *,
     layout: str = "auto",
     max_shard_size: int | str = convert.DEFAULT_MAX_SHARD,
+    dense_bits: int | None = None,
 ) -> Path:
     """quant.convert.quantize_checkpoint for the checkpoint's own family: see there. Returns `out`."""
     return convert.quantize_checkpoint(src, out, bits, group_size, progress, catalogue_of=float_catalogue,
-                                       layout=layout, max_shard_size=max_shard_size)  # fmt: skip
+                                       layout=layout, max_shard_size=max_shard_size, dense_bits=dense_bits,
+                                       linears_of=linear_weights)  # fmt: skip
 
 
 def read_quantized_catalogue(directory: Path) -> QuantizedCatalogue:

@@ -31,7 +31,7 @@ from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.models.ops import PrefillOps
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
-from vismmoe_edge.static_decode import StaticDecoder, capacity_for, supports_static_decode
+from vismmoe_edge.static_decode import StaticDecoder, capacity_for
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -134,7 +134,12 @@ class Engine:
         # layers it knows), "on" (eagerly on the CPU too: the check that it changes no token), "off".
         self.static_decode = "auto"
         self.cuda_graphs = os.environ.get("VISMMOE_CUDA_GRAPHS", "1") != "0"
-        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
+        # The whole decode token on the device (static_decode.StaticDecoder.token_step): "auto" (on CUDA where
+        # every expert stays in the slot pool and nothing observes the routing as it happens), "on", "off".
+        self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
+        # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
+        self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
+        self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -297,10 +302,24 @@ class Engine:
         pipeline = self.experts.pipeline
         streams = len(pipeline.pinned) < len(self.catalogue.experts)
         room = pipeline.capacity >= self.context.top_k or not streams
-        has_pool = getattr(pipeline.tier, "pool", None) is not None and room
-        if self.static_decode == "off" or not has_pool or not supports_static_decode(self.model):
+        has_pool = pipeline.tier.pool is not None and room
+        if self.static_decode == "off" or not has_pool or not self.ops.static_decode:
             return False
         return self.static_decode == "on" or self.device.type == "cuda"
+
+    def uses_device_decode(self) -> bool:
+        """Routing read on the device through the expert table needs nothing to watch it per layer (a predictor,
+        route hooks) and, under "auto", a pool that never misses (every expert resident): a miss redoes a token."""
+        rt = self.experts
+        if self.device_decode == "off" or rt.predictor is not None or rt.predictor_worker is not None:
+            return False
+        if rt.route_hooks:
+            return False
+        if self.device_decode == "on":
+            return True
+        pipeline = rt.pipeline
+        resident = len(pipeline.pinned) + pipeline.capacity >= len(self.catalogue.experts)
+        return self.device.type == "cuda" and resident
 
     def start_decode(self, state: DecodeState, max_new_tokens: int) -> None:
         """Hand the prefill's cache to the preallocated-cache decoder (one per capacity, graphs captured once)."""
@@ -309,11 +328,13 @@ class Engine:
         replay = self.experts.replay
         routed_k = replay.trace.top_k if replay is not None else self.context.top_k
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
-        decoder = self._decoders.get((capacity, routed_k))
+        on_device = self.uses_device_decode()
+        mapped = on_device and self.device_decode_mapped
+        decoder = self._decoders.get((capacity, routed_k, on_device, mapped))
         if decoder is None:
             graphs = self.cuda_graphs and self.device.type == "cuda"
-            decoder = self._decoders[(capacity, routed_k)] = StaticDecoder(
-                self, state.cache, capacity, routed_k, graphs=graphs
+            decoder = self._decoders[(capacity, routed_k, on_device, mapped)] = StaticDecoder(
+                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped
             )
         decoder.start(state.cache)
         state.static = decoder
@@ -337,6 +358,22 @@ class Engine:
         for observer in self.observers:
             observer.end_step("decode", past)
         return logits
+
+    @torch.inference_mode()
+    def device_token(
+        self, token_id: int, state: DecodeState, sampling: SamplingConfig, produced: int
+    ) -> tuple[int, bool]:
+        """One token through every layer and the sampler on the device; returns (next token, logits finite)."""
+        decoder = state.static
+        assert decoder is not None and decoder.on_device
+        for observer in self.observers:
+            observer.begin_step("decode", 1)
+        with self._attention_kernels():
+            token, finite = decoder.token_step(token_id, state.next_position, sampling, produced)
+        state.next_position += 1
+        for observer in self.observers:
+            observer.end_step("decode", decoder.host_length - 1)
+        return token, finite
 
     def _decode_step(self, token_id: int, state: DecodeState) -> torch.Tensor:
         lm = self.language_model
@@ -415,9 +452,20 @@ class Engine:
             if should_stop is not None and should_stop():
                 return
             position = state.next_position
-            logits = self.decode_step(token, state)
-            self._check_finite(logits, f"decode step {produced}", self._replay_decode, token, state, position)
-            token = sampler(logits, produced)
+            decoder = state.static
+            if decoder is not None and decoder.on_device and not sampling.logits_processors:
+                if produced == 1:
+                    decoder.sampler.seed(sampling.seed)
+                    decoder.sampler.set_stops(stop_ids)
+                previous = token
+                token, finite = self.device_token(previous, state, sampling, produced)
+                if not finite:  # the per-layer replay names the layer
+                    self._check_finite(torch.tensor([float("nan")]), f"decode step {produced}",
+                                       self._replay_decode, previous, state, position)  # fmt: skip
+            else:
+                logits = self.decode_step(token, state)
+                self._check_finite(logits, f"decode step {produced}", self._replay_decode, token, state, position)
+                token = sampler(logits, produced)
             produced += 1
             timings.decode_tokens += 1
             timings.decode_s = time.perf_counter() - decode_start
@@ -506,5 +554,3 @@ class Engine:
             experts=self.experts.pipeline.stats.as_dict(),
             compression=self.last_compression,
         )
-
-

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from vismmoe_edge.checkpoint import ExpertCatalogue
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
-from vismmoe_edge.config import parse_budget, resolve_device, resolve_dtype
+from vismmoe_edge.config import budget_bytes, resolve_device, resolve_dtype
 from vismmoe_edge.engine import Engine
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import POLICIES
@@ -40,31 +38,10 @@ def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[in
     return []
 
 
-def drop_unneeded_pages(files: ShardFiles, table: dict, catalogue: ExpertCatalogue, pinned: set[int]) -> None:
-    """Give back the page cache that loading filled: the non-expert weights now live in our own memory, and
-    fault read-around pulled in streamed experts nobody asked for. Unified memory counts page cache against
-    the same DRAM, and a cgroup counts it against the process."""
-    files.close()  # unmapped pages are the only ones POSIX_FADV_DONTNEED can drop
-    ranges = [(i.shard, i.offset, i.nbytes) for n, i in table.items() if n not in catalogue.tensor_names]
-    for loc in catalogue.experts.values():
-        if loc.layer not in pinned:
-            ranges += [(p.shard, p.offset, p.nbytes) for p in loc.parts]
-    fds: dict[Path, int] = {}
-    try:
-        for shard, offset, nbytes in ranges:
-            fd = fds.get(shard)
-            if fd is None:
-                fd = fds[shard] = os.open(shard, os.O_RDONLY)
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
 def load(
     model_dir: str | Path | CheckpointInfo | None = None,
     *,
-    memory_budget: str = "100%",
+    memory_budget: str | int = "100%",
     pinned_layers: int = 0,
     device: str = "auto",
     dtype: str = "auto",
@@ -78,8 +55,8 @@ def load(
 
     model_dir: a Hugging Face model directory (or what `inspect_checkpoint` read of one); None uses the built-in
         demo model.
-    memory_budget: bytes of expert weights kept in memory (pinned prefix + cache), e.g. "2GiB" or "40%"
-        of all routed-expert bytes at the compute dtype.
+    memory_budget: bytes of expert weights kept in memory (pinned prefix + cache): an int (bytes), "2GiB", or
+        "40%" of all routed-expert bytes at the compute dtype (config.budget_bytes).
     pinned_layers: the first N MoE layers keep all their experts resident.
     tier: where cache slots live: "host" (RAM slots), "gpu" (CUDA slots), "unified" (the page cache, managed:
         for Jetson and CPU hosts), "mmap" (the page cache, unmanaged: a baseline), "auto" (gpu on CUDA, else
@@ -111,8 +88,7 @@ def load(
     context = StepContext(moe_layers, catalogue.num_experts, info.top_k)
     files = ShardFiles()
     store = ExpertStore(catalogue, files, torch_dtype, torch_device)
-    total_expert_bytes = store.expert_nbytes() * len(catalogue.experts)
-    budget = parse_budget(memory_budget, total_expert_bytes)
+    budget = budget_bytes(memory_budget, catalogue, torch_dtype)
     runtime = build_runtime(
         store,
         budget_bytes=budget,
@@ -123,12 +99,7 @@ def load(
         host_tier=host_tier,
     )
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
-    tier = runtime.pipeline.tier
-    if tier.name in ("unified", "mmap"):
-        drop_unneeded_pages(files, table, catalogue, set(moe_layers[:pinned_layers]))
-    elif tier.name in ("unified-slots", "unified-registered"):  # the integrated-GPU tiers need no page cache
-        files.close()  # mapped pages cannot be dropped
-        tier.drop_page_cache({t.shard for t in table.values()})  # type: ignore[attr-defined]
+    runtime.pipeline.tier.after_load(files, table, catalogue, set(moe_layers[:pinned_layers]))
     on_gpu = torch_device.type == "cuda"
     attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
     return Engine(

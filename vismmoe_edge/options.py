@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
-from vismmoe_edge.config import parse_budget
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
 from vismmoe_edge.experts.tiers.registry import AUTO, tier_kind
 from vismmoe_edge.units import format_bytes
 
-if TYPE_CHECKING:
-    from vismmoe_edge.compress.prune import CompressionConfig
+if TYPE_CHECKING:  # torch and the checkpoint readers load with the model, not with the options (serve --help)
+    import torch
+
+    from vismmoe_edge.checkpoint_info import CheckpointInfo
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.engine import Engine
     from vismmoe_edge.hardware.gpu_access import GpuAccess
     from vismmoe_edge.hardware.profiles import Profile
@@ -51,7 +51,7 @@ class LoadOptions:
 class ResolvedOptions:
     """LoadOptions with every planner choice filled in: what `loader.load` takes."""
 
-    memory_budget: str
+    memory_budget_bytes: int  # pinned prefix + cache, at the compute dtype (config.budget_bytes)
     pinned_layers: int
     tier: str
     prefetch_depth: int
@@ -73,6 +73,9 @@ def resolve(
     A fixed --memory-budget with no --pinned-layers pins no deeper than fits in that budget, with room left for
     one streamed expert.
     """
+    from vismmoe_edge.config import budget_bytes
+    from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
+
     o = options
     if o.host_tier not in ("auto", "on", "off"):
         raise VismmoeError(f"--host-tier {o.host_tier!r}: use auto, on or off")
@@ -80,26 +83,30 @@ def resolve(
     if not o.leaves_anything_to_plan:
         assert o.pinned_layers is not None
         depth = DEFAULT_PREFETCH_DEPTH if depth is None else depth
-        check_fixed_budget(o.memory_budget, o.tier, checkpoint)
+        budget = budget_bytes(o.memory_budget, checkpoint.catalogue, compute_dtype(o, checkpoint, o.device))
+        check_fixed_budget(budget, o.tier, checkpoint)
         host, _ = resolve_host_tier(o, checkpoint, o.tier, o.pinned_layers, mem_available)
-        return ResolvedOptions(o.memory_budget, o.pinned_layers, o.tier, depth, host, device=o.device)
+        return ResolvedOptions(budget, o.pinned_layers, o.tier, depth, host, device=o.device)
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.planning.plan import make_plan
 
     chosen, reason, warnings = select_profile(o.profile, cuda_available=False if o.device == "cpu" else None)
     gpu, here, gpu_note = plan_gpu(o.device, chosen, named=o.profile != "auto")
+    dtype = compute_dtype(o, checkpoint, "cuda" if o.device == "auto" and here else o.device)
     plan = make_plan(
-        checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free, gpu=gpu
-    )
+        checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free, gpu=gpu,
+        dtype=dtype,
+    )  # fmt: skip
     plan.warnings[:0] = warnings + ([gpu_note] if gpu_note else [])
     pinned = o.pinned_layers
-    if pinned is None and o.memory_budget != "auto":
-        budget = parse_budget(o.memory_budget, plan.s_layer_bytes * plan.moe_layers)
-        fits = max(0, (budget - plan.bytes_per_expert) // plan.s_layer_bytes)
-        pinned = min(plan.pinned_layers, fits)
-    if o.memory_budget != "auto":
-        check_fixed_budget(o.memory_budget, o.tier if o.tier != "auto" else plan.tier, checkpoint)
-    memory_budget = str(plan.memory_budget_bytes) if o.memory_budget == "auto" else o.memory_budget
+    if o.memory_budget == "auto":
+        budget = plan.memory_budget_bytes
+    else:
+        budget = budget_bytes(o.memory_budget, checkpoint.catalogue, dtype)
+        if pinned is None:
+            fits = max(0, (budget - plan.bytes_per_expert) // plan.s_layer_bytes)
+            pinned = min(plan.pinned_layers, fits)
+        check_fixed_budget(budget, o.tier if o.tier != "auto" else plan.tier, checkpoint)
     pinned = plan.pinned_layers if pinned is None else pinned
     device = plan.device if o.device == "auto" and here else o.device
     tier = plan.tier if o.tier == "auto" else o.tier
@@ -110,13 +117,25 @@ def resolve(
     host, why = resolve_host_tier(o, checkpoint, tier, pinned, mem_available)
     if why:
         plan.why.append(why)
-    shown_budget = format_bytes(int(memory_budget)) if memory_budget.isdigit() else memory_budget
     note = (
-        f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {shown_budget}, tier {tier}, "
+        f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {format_bytes(budget)}, tier {tier}, "
         f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
         f"{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
     )
-    return ResolvedOptions(memory_budget, pinned, tier, depth, host, note, plan, device)
+    return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device)
+
+
+def compute_dtype(options: LoadOptions, checkpoint: CheckpointInfo, device: str) -> torch.dtype:
+    """The dtype experts are cached at on `device` (--dtype, else the checkpoint's): what budgets are counted in.
+    Only the device's type matters here (a plan may be for a board's GPU this machine lacks)."""
+    import torch
+
+    from vismmoe_edge.config import resolve_dtype
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device("cuda" if device.startswith("cuda") else "cpu")
+    return resolve_dtype(options.dtype, checkpoint.stored_dtype, kind)
 
 
 def resolve_host_tier(
@@ -157,7 +176,7 @@ def plan_gpu(device: str, profile: Profile, *, named: bool) -> tuple[GpuAccess |
     return gpu, gpu is not None, None
 
 
-def check_fixed_budget(memory_budget: str, tier: str, checkpoint: CheckpointInfo, root: Path = Path("/")) -> None:
+def check_fixed_budget(budget: int, tier: str, checkpoint: CheckpointInfo, root: Path = Path("/")) -> None:
     """Refuse, with one line, a --memory-budget that the memory cgroup cannot hold next to the model's other parts:
     past the cgroup's limit the kernel OOM-kills without a word. Tiers that keep experts in GPU memory or leave
     them to the kernel (gpu, mmap) are not checked."""
@@ -170,12 +189,10 @@ def check_fixed_budget(memory_budget: str, tier: str, checkpoint: CheckpointInfo
     headroom = None if group is None else group.headroom_bytes
     if group is None or headroom is None:
         return
-    total = checkpoint.catalogue.total_bytes
-    budget = parse_budget(memory_budget, total)
     others = runtime_parts(checkpoint, device="cuda" if tier_kind(tier).integrated_gpu else "cpu").total_bytes
     if budget + others > headroom:
         raise VismmoeError(
-            f"--memory-budget {memory_budget} ({format_bytes(budget)}) and the model's other parts "
+            f"--memory-budget {format_bytes(budget)} and the model's other parts "
             f"({format_bytes(others)}: weights, KV cache, activations) exceed what the memory cgroup leaves, "
             f"{format_bytes(headroom)} ({group.describe()}); lower --memory-budget, or leave it auto"
         )
@@ -187,7 +204,7 @@ def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: Re
 
     engine = load(
         checkpoint,
-        memory_budget=resolved.memory_budget,
+        memory_budget=resolved.memory_budget_bytes,
         pinned_layers=resolved.pinned_layers,
         device=resolved.device,
         dtype=options.dtype,
@@ -210,6 +227,8 @@ def load_engine(
     gpu_free: int | None = None,
 ) -> tuple[Engine, ResolvedOptions]:
     """Inspect the checkpoint once, resolve the options against it, load, and set compression."""
+    from vismmoe_edge.checkpoint_info import as_checkpoint_info
+
     checkpoint = as_checkpoint_info(model)
     resolved = resolve(options, checkpoint, mem_available=mem_available, gpu_free=gpu_free)
     return load_resolved(checkpoint, options, resolved), resolved

@@ -10,7 +10,7 @@ synchronisations. No compiler is involved (torch.compile needs Triton, which Jet
 The layers are transformers' own modules: attention is the model's attention module writing through
 `StaticCache.update`, so numerics match the eager path. The decoder layer's body (norm, attention, residual,
 norm, router, experts, residual) is spelled out here for the Qwen3-VL-MoE layer shape; families whose MoE block
-adds shared experts or other routers keep the eager path (`supports_static_decode`).
+adds shared experts or other routers keep the eager path (the family's `PrefillOps.static_decode`).
 """
 
 from __future__ import annotations
@@ -23,19 +23,38 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.compute import OffloadedExperts
+from vismmoe_edge.experts.promotion import promote_host_reads
+from vismmoe_edge.experts.table import ExpertTable
+from vismmoe_edge.kernels.moe_decode import moe_decode, use_triton
+from vismmoe_edge.sampling import SamplingConfig
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
 CAPACITY_STEP = 512
 
 
-def supports_static_decode(model: Any) -> bool:
-    """True for Qwen3-VL-MoE: a layer is norm, attention, norm, then a routed-experts block with no shared experts."""
-    return getattr(getattr(model, "config", None), "model_type", "") == "qwen3_vl_moe"
-
-
 def capacity_for(tokens: int) -> int:
     return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream graphs are warmed up and captured on, from torch's high-priority pool.
+
+    torch hands out low-priority streams round-robin from a pool of 32 (c10/cuda/CUDAStream.h), so a stream taken
+    per capture, or `torch.cuda.graph`'s shared default capture stream, sooner or later is the very CUDA stream an
+    I/O thread copies on. That thread's DMA and slot event then land inside the capture (thread_local capture
+    mode only relaxes checks, it does not keep other threads off the capturing stream), and the compute stream's
+    later `wait_event` on the captured event fails with `invalid argument` (SlotPoolTier.ready). Nothing else in
+    the package takes a high-priority stream (tests/test_capture_stream.py checks), and this one is taken once.
+    """
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
 
 
 class StaticCache:
@@ -97,6 +116,16 @@ class MoeBuffers:
     mix: torch.Tensor
 
 
+@dataclass
+class TokenOutputs:
+    """What one device-side token (`StaticDecoder.token_step`) leaves in pinned memory for the host."""
+
+    token: torch.Tensor  # [1, 1] long: the chosen next token
+    routing: torch.Tensor  # [moe layers, r] long: each MoE layer's routed experts, for the host's bookkeeping
+    missed: torch.Tensor  # [moe layers] bool: the table said absent for one of the layer's experts
+    finite: torch.Tensor  # [1] bool: the logits are all finite
+
+
 class StaticDecoder:
     """Decode steps over a `StaticCache`, for any request whose prompt and reply fit in `capacity` positions.
 
@@ -105,7 +134,17 @@ class StaticDecoder:
     request after request (`start` takes over each prefill's cache), so capture happens once per capacity.
     """
 
-    def __init__(self, engine: Any, like: DynamicCache, capacity: int, routed_k: int, *, graphs: bool) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        like: DynamicCache,
+        capacity: int,
+        routed_k: int,
+        *,
+        graphs: bool,
+        on_device: bool = False,
+        mapped: bool = False,
+    ) -> None:
         self.engine = engine
         self.lm = engine.language_model
         self.device = engine.device
@@ -123,6 +162,9 @@ class StaticDecoder:
         self.token, self.host_token = dev(1, 1, dtype=torch.long), host(1, 1, dtype=torch.long)
         self.position, self.host_position = dev(3, 1, 1, dtype=torch.long), host(3, 1, 1, dtype=torch.long)
         self.hidden, self.normed = dev(1, 1, hidden_size), dev(1, 1, hidden_size)
+        # an embedding read by row from the shard (quant/dense.py) is read on the host before the graph runs
+        rows = self.lm.embed_tokens
+        self.host_row = host(1, 1, hidden_size, dtype=dtype) if hasattr(rows, "host_rows") else None
         self.logits = dev(engine.model.lm_head.out_features)
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.moe: dict[int, OffloadedExperts] = {}
@@ -138,6 +180,9 @@ class StaticDecoder:
                     host(1, routed_k, dtype=torch.float32), dev(1, routed_k, dtype=torch.long), dev(1, routed_k),
                 )  # fmt: skip
         self.routed = torch.cuda.Event() if on_gpu else None
+        self.on_device = on_device
+        if on_device:
+            self._init_on_device(routed_k, on_gpu, mapped)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync
@@ -150,7 +195,10 @@ class StaticDecoder:
     def _embed(self) -> None:
         self.token.copy_(self.host_token, non_blocking=True)
         self.position.copy_(self.host_position, non_blocking=True)
-        self.hidden.copy_(self.lm.embed_tokens(self.token))
+        if self.host_row is not None:
+            self.hidden.copy_(self.host_row, non_blocking=True)
+        else:
+            self.hidden.copy_(self.lm.embed_tokens(self.token))
         cos, sin = self.engine.ops.rotary(self.lm, self.hidden, self.position)
         if self.cos_sin is None:
             self.cos_sin = (cos.clone(), sin.clone())
@@ -158,9 +206,8 @@ class StaticDecoder:
             self.cos_sin[0].copy_(cos)
             self.cos_sin[1].copy_(sin)
 
-    def _attention(self, i: int) -> None:
-        """Norm, attention (writing this position's K/V), residual, norm, and for a MoE layer its router; for a
-        dense layer its MLP too."""
+    def _attend(self, i: int) -> torch.Tensor:
+        """Norm, attention (writing this position's K/V), residual; returns the post-attention norm."""
         layer = self.lm.layers[i]
         h = layer.input_layernorm(self.hidden)
         mask = self.cache.mask(i, self.hidden.dtype)
@@ -168,7 +215,12 @@ class StaticDecoder:
             hidden_states=h, position_embeddings=self.cos_sin, attention_mask=mask, cache=self.cache
         )
         self.hidden.add_(attn)
-        normed = layer.post_attention_layernorm(self.hidden)
+        return layer.post_attention_layernorm(self.hidden)
+
+    def _attention(self, i: int) -> None:
+        """`_attend`, then for a MoE layer its router; for a dense layer its MLP too."""
+        layer = self.lm.layers[i]
+        normed = self._attend(i)
         if i not in self.moe:
             self.hidden.add_(layer.mlp(normed))
             return
@@ -192,6 +244,112 @@ class StaticDecoder:
         self.logits.copy_(self.engine.model.lm_head(self.lm.norm(self.hidden))[0, -1])
         self.cache.advance()
 
+    # ---- the whole token on the device (one graph) -----------------------------------------------------------
+    def _init_on_device(self, routed_k: int, on_gpu: bool, mapped: bool) -> None:
+        """Buffers of the device-side token: the expert table, the sampler, the routing to hand back, and under
+        trace replay the routing handed in. `mapped`: read experts not in a slot from the pinned host mirror in
+        place, where the mirror and the kernels allow it (ExpertTable.map_host)."""
+        layers = self.moe_layers = sorted(self.moe)
+        num_experts = self.engine.catalogue.num_experts
+        self.table = ExpertTable(len(self.lm.layers), num_experts, self.device)
+        self.mapped_experts = 0
+        tier = self.engine.experts.pipeline.tier
+        mirror = getattr(tier, "mirror", None)
+        if (
+            mapped
+            and on_gpu
+            and mirror is not None
+            and getattr(tier, "form", None) is None
+            and use_triton(tier.gate_up)
+        ):
+            self.mapped_experts = self.table.map_host(mirror, self.engine.catalogue, tier.gate_up.dtype)
+        if mapped and not self.mapped_experts:
+            warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "
+                          "host tier and an untransposed bf16/fp16 checkpoint): absent experts redo the token",
+                          stacklevel=2)  # fmt: skip
+        self.sampler = DeviceSampler(self.logits.shape[0], self.device)
+        self.routing = torch.zeros(len(layers), routed_k, dtype=torch.long, device=self.device)
+        self.missed = torch.zeros(len(layers), dtype=torch.bool, device=self.device)
+        self.finite = torch.zeros(1, dtype=torch.bool, device=self.device)
+        self.out = TokenOutputs(*(torch.zeros_like(t, device="cpu", pin_memory=on_gpu) for t in (
+            self.sampler.token, self.routing, self.missed, self.finite)))  # fmt: skip
+        self.replay_index = torch.zeros_like(self.routing)
+        self.replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, device=self.device)
+        self.host_replay_index = torch.zeros_like(self.out.routing)
+        self.host_replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, pin_memory=on_gpu)
+        self.token_done = torch.cuda.Event() if on_gpu else None
+        self.redone = 0  # tokens whose table lookup missed and that ran again through the per-layer path
+        self.promoted = 0  # experts brought into slots after tokens read them from the host tier
+
+    def _token(self) -> None:
+        """Embed, every layer with its experts read through the table, the head, the next token: no host."""
+        self._embed()
+        replay = self.engine.experts.replay is not None
+        if replay:
+            self.replay_index.copy_(self.host_replay_index, non_blocking=True)
+            self.replay_weights.copy_(self.host_replay_weights, non_blocking=True)
+        pool = self.engine.experts.pipeline.tier.pool
+        for i in range(len(self.lm.layers)):
+            layer = self.lm.layers[i]
+            normed = self._attend(i)
+            if i not in self.moe:
+                self.hidden.add_(layer.mlp(normed))
+                continue
+            m = self.moe_layers.index(i)
+            x = normed.view(-1, normed.shape[-1])
+            if replay:
+                index, weights = self.replay_index[m : m + 1], self.replay_weights[m : m + 1]
+            else:
+                _, weights, index = layer.mlp.gate(x)
+            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
+            out, missed = moe_decode(x, index, weights, self.table.slots[i], pool, self.moe[i].act_fn, host_row)
+            self.hidden.add_(out.view_as(self.hidden))
+            self.routing[m].copy_(index[0])
+            self.missed[m].copy_(missed)
+        self._tail()
+        self.sampler.choose(self.logits)
+        self.finite.copy_(torch.isfinite(self.logits).all().view(1))
+        for mine, host in zip((self.sampler.token, self.routing, self.missed, self.finite), vars(self.out).values(),
+                              strict=True):  # fmt: skip
+            host.copy_(mine, non_blocking=True)
+
+    @torch.inference_mode()
+    def token_step(self, token: int, position: int, sampling: SamplingConfig, produced: int) -> tuple[int, bool]:
+        """One token through every layer and the sampler, as one graph; returns (next token, logits finite).
+
+        The host's one synchronisation is the token's end (it needs the token for the stop check anyway). A miss
+        (the table said absent) discards the token: the KV position is rolled back and the token runs again on
+        the per-layer path, which fetches what it needs; the table is synced before the next token.
+        """
+        pipeline = self.engine.experts.pipeline
+        self.table.sync(pipeline)
+        self.sampler.configure(sampling, produced)
+        replay = self.engine.experts.replay
+        if replay is not None:
+            for m, layer in enumerate(self.moe_layers):
+                index, weights = replay.route(layer, 1)
+                self.host_replay_index[m].copy_(index[0])
+                self.host_replay_weights[m].copy_(weights[0].float())
+        self.host_token.fill_(token)
+        self.host_position.fill_(position)
+        self._run("token.sampled" if self.sampler.sampling else "token.greedy", self._token)
+        if self.token_done is not None:
+            self.token_done.record()
+            self.token_done.synchronize()
+        if bool(self.out.missed.any()):
+            self.redone += 1
+            self.cache.lengths -= 1  # the token's K/V are rewritten at the same position
+            logits = self.step(token, position)  # counts the token in host_length
+            self.sampler.choose(logits)
+            finite = bool(torch.isfinite(logits).all())
+            return int(self.sampler.token), finite
+        self.host_length += 1
+        for m, layer in enumerate(self.moe_layers):  # after the fact: the eviction order sees this token's use
+            pipeline.touch(layer, self.out.routing[m].tolist())
+        if self.mapped_experts:  # experts read over the bus move into slots for later tokens
+            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, self.out.routing)
+        return int(self.out.token), bool(self.out.finite)
+
     # ---- running them -----------------------------------------------------------------------------------------
     def _run(self, name: str, fn: Callable[..., None], *args: Any) -> None:
         if not self.graphs:
@@ -214,8 +372,10 @@ class StaticDecoder:
         """Warm up on a side stream (allocator, library handles), undo what the warm-up wrote, then capture. A
         capture records kernels without running them: the caller replays the graph once to run it."""
         state = [self.hidden, self.normed, self.cache.lengths]
+        if self.on_device:
+            state.append(self.sampler.token)
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream(self.device)
+        side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             fn(*args)
@@ -223,8 +383,10 @@ class StaticDecoder:
         for t, old in zip(state, saved, strict=True):
             t.copy_(old)
         graph = torch.cuda.CUDAGraph()
+        if self.on_device and hasattr(graph, "register_generator_state"):  # draws advance per replay
+            graph.register_generator_state(self.sampler.generator)
         # thread_local: I/O threads keep queueing copies on their own streams while this thread captures
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.graph_pool, stream=side, capture_error_mode="thread_local"):
             fn(*args)
         return graph
 
@@ -233,6 +395,8 @@ class StaticDecoder:
         """One token through every layer; returns the next-token logits [vocab] (a buffer the next step reuses)."""
         self.host_token.fill_(token)
         self.host_position.fill_(position)
+        if self.host_row is not None:
+            self.host_row.copy_(self.lm.embed_tokens.host_rows(self.host_token))
         self._run("embed", self._embed)
         for i in range(len(self.lm.layers)):
             self._run(f"attention.{i}", self._attention, i)

@@ -40,7 +40,7 @@ COMPRESSORS = ("random", "saliency", "zip", "affinity")
 
 
 def settings(ratios: list[float], compressors: list[str]) -> list[tuple[str, float]]:
-    return [("none", 1.0)] + [(m, r) for r in ratios for m in compressors]
+    return [("none", 1.0)] + [(m, r) for r in ratios for m in compressors if m != "none"]  # none: once, at 100%
 
 
 def run_setting(args: argparse.Namespace, method: str, ratio: float, items: list, analyze_items: list) -> dict:

@@ -8,13 +8,13 @@ Per decode token (batch 1):
 - expert memory M_e = MemAvailable - C_safe - R - KV - A - IO, the planner's rule (plan.py, memory_plan.py);
 - cache share f = min(1, M_e / all expert bytes); with uniform routing (the synthetic benchmarks' worst case) the
   hit rate is f, so misses read (1 - f) x expert bytes per token from NVMe; a second column uses 85%, the middle
-  of the 80-90% peers expect for ~9 GB of cache over ~16.5 GB of 4-bit experts [R: notes/peers.md §7.3];
+  of the 80-90% peers expect for ~9 GB of cache over ~16.5 GB of 4-bit experts [R: docs/platform-facts.md §5.2];
 - DRAM traffic = dense bytes (read) + 3 x expert bytes (the slot pool's decode gathers each token's k experts:
   read + write, then the GEMMs read the copy: pool_compute.decode_experts) + 2 x miss bytes (a buffered pread
   copies page cache -> slot; O_DIRECT would save this), at a kernel efficiency of 50% of the DRAM peak (MLC-class
-  on AGX Orin; llama.cpp reaches ~25% [R: notes/peers.md §7.2]);
+  on AGX Orin; llama.cpp reaches ~25% [R: docs/platform-facts.md §5.2]);
 - time = NVMe time + DRAM time (not overlapped: SSD DMA and compute share the memory controller and flash-moe
-  found them not profitably overlapped on unified memory [R: notes/peers.md §6.9]); the overlapped bound max()
+  found them not profitably overlapped on unified memory [R: docs/platform-facts.md §5.3]); the overlapped bound max()
   is given too.
 """
 
@@ -23,12 +23,12 @@ from __future__ import annotations
 GB, GIB = 1e9, 1 << 30
 
 INPUTS = {
-    "expert_bytes": ({"bf16": 9.44e6, "int4": 2.51e6}, "one expert (bf16: peers.md §7.1; int4 g128 with bf16 scale "
-                     "and zero per group: quantization.md §4)"),
-    "experts": (6144, "48 MoE layers x 128 experts (peers.md §7.1)"),
-    "top_k_layers": (8 * 48, "experts a token touches: top-8 x 48 layers (peers.md §7.1)"),
-    "dense_read_bytes": (2.46e9, "non-expert weights read per token, bf16 (peers.md §7.1); they stay bf16 with int4 "
-                         "experts (quantization.md §5)"),
+    "expert_bytes": ({"bf16": 9.44e6, "int4": 2.51e6}, "one expert (bf16: platform-facts.md §5.1; int4 g128 "
+                     "with bf16 scale and zero per group: quantization.md §4)"),
+    "experts": (6144, "48 MoE layers x 128 experts (docs/platform-facts.md §5.1)"),
+    "top_k_layers": (8 * 48, "experts a token touches: top-8 x 48 layers (docs/platform-facts.md §5.1)"),
+    "dense_read_bytes": (2.46e9, "non-expert weights read per token, bf16 (platform-facts.md §5.1); "
+                         "they stay bf16 with int4 experts (quantization.md §5)"),
     "language_weights_bytes": (3.09e9, "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
                                "H200 run: 'keeps the 3.09 GB of non-expert weights resident')"),
     "vision_weights_bytes": (1.08e9, "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
@@ -45,11 +45,11 @@ INPUTS = {
         },
         "MemAvailable: the recorded board trees tests/fixtures/boards/orin-nx-16gb-jp5 and orin-nano-8gb-super-jp6 "
         "(/proc/meminfo); C_safe: profiles orin-nx-16gb--maxn (1.5 GiB), orin-nano-8gb[-super]--* (1.0 GiB); DRAM "
-        "peak: jetson.md §1 (102.4 GB/s NX; 68 -> 102 GB/s Nano Super)",
+        "peak: docs/platform-facts.md §3.2 (102.4 GB/s NX; 68 -> 102 GB/s Nano Super)",
     ),
-    "nvme": ((2.0e9, 3.5e9, 6.0e9), "NVMe read bandwidth classes of peers.md §7.3 (Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); "
-             "no board's NVMe was measured"),
-    "efficiency": (0.5, "share of the DRAM peak the kernels reach (MLC-class on AGX Orin, peers.md §7.2)"),
+    "nvme": ((2.0e9, 3.5e9, 6.0e9), "NVMe read bandwidth classes of platform-facts.md §5.2 "
+             "(Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); no board's NVMe was measured"),
+    "efficiency": (0.5, "share of the DRAM peak the kernels reach (MLC-class on AGX Orin, platform-facts.md §5.2)"),
 }
 
 

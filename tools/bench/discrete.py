@@ -158,12 +158,16 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
     }
 
 
-def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
-    """transformers' own model with every weight on the GPU: the ceiling any offloading runtime aims at."""
+def run_hf_resident(model_dir: Path, image: Path, new_tokens: int, *, static: bool = False) -> dict:
+    """transformers' own model with every weight on the GPU: the ceiling any offloading runtime aims at. `static`:
+    generation_config.cache_implementation = "static" (generate then compiles the decode step): the reference
+    column; the DynamicCache row is kept beside it."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    if static:
+        model.generation_config.cache_implementation = "static"
     kwargs = hf_inputs(model_dir, image)
     prefills, rates = [], []
     for seed in range(3):
@@ -171,7 +175,7 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
         prefills.append(prefill_s)
         rates.append(1 / statistics.median(steps))
     return {
-        "strategy": "hf-all-resident",
+        "strategy": "hf-static-cache" if static else "hf-all-resident",
         "routing": "sampled",
         "prefill_s": statistics.median(prefills),
         "decode_tokens_per_s": statistics.median(rates),
@@ -181,7 +185,7 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int) -> dict:
 
 
 UNIFIED = ("unified-slots", "unified-registered")
-BASELINES = ("hf-resident", "accelerate")
+BASELINES = ("hf-static", "hf-resident", "accelerate")
 
 
 def load_engine(
@@ -224,7 +228,7 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True) -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool = False) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -232,6 +236,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     if engine.cuda_graphs != graphs:  # decoders are built with or without graphs
         engine.cuda_graphs = graphs
         engine._decoders.clear()
+    engine.device_decode = device_decode  # the whole token on the device: its routing reaches no route hook
+    engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -242,7 +248,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     def record(layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
         routes.append((layer, sorted(set(index.flatten().tolist()))))
 
-    engine.experts.route_hooks.append(record)
+    if device_decode == "off":
+        engine.experts.route_hooks.append(record)
     inputs = engine.encode(PROMPT, [image])
     pipeline.reset_stats()
     engine.experts.predict_seconds = 0.0
@@ -253,7 +260,9 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     for _ in engine.stream(inputs, sampling):
         sync()
         times.append(time.perf_counter())
-    engine.experts.route_hooks.remove(record)
+    if device_decode == "off":
+        engine.experts.route_hooks.remove(record)
+    decoders = [d for d in engine._decoders.values() if getattr(d, "on_device", False)]
     steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # the first decode step captures graphs
     s = pipeline.stats.as_dict()
     log = pipeline.layer_log
@@ -280,6 +289,9 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "predictor_worker_ms_per_token": (worker.seconds * 1000 / (new_tokens + 1)) if worker else 0.0,
         "routes": routes,
         "expert_bytes": engine.catalogue.expert_bytes,
+        "device_decode": bool(decoders),
+        "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
+        "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
     }
 
 
@@ -390,6 +402,25 @@ def oracle(
     }
 
 
+def hbm_bound(info: dict) -> dict:
+    """The decode ceiling of memory bandwidth: the resident (non-expert) bytes and top_k/num_experts of the expert
+    bytes read once per token, at the HBM bandwidth a 2 GiB device-to-device copy reaches here. The resident bytes
+    include the vision tower, which decode does not read: the bound is a little low (the issue's 705 tok/s used
+    the decoder's 2.46 GB)."""
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(buf)
+    torch.cuda.synchronize()
+    hbm = 2 * 5 * buf.numel() / (time.perf_counter() - start)  # a copy reads and writes each byte
+    del buf, dst
+    per_token = info["resident_bytes"] + info["total_expert_bytes"] * info["top_k"] / info["experts_per_layer"]
+    return {"hbm_gb_s": hbm / 1e9, "bytes_per_token": per_token, "tokens_per_s": hbm / per_token}
+
+
 def median_row(strategy: str, trials: list[dict]) -> dict:
     out = {k: v for k, v in trials[0].items() if k != "routes"}
     out["strategy"] = strategy
@@ -428,21 +459,24 @@ def main() -> None:
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
-                    "unified-slots, unified-registered, hf-resident, accelerate (default: all but the unified tiers)")
+                    "device-resident, device-popularity, device-mapped, unified-slots, unified-registered, "
+                    "device-unified-slots, hf-static, "
+                    "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
-    ap.add_argument("--worker", choices=["accelerate", "hf-resident"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["accelerate", "hf-resident", "hf-static"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.strategies_given = args.strategies is not None
     if args.strategies is None:
-        args.strategies = "all-resident,popularity,lru,graphs-off,learned"
+        args.strategies = ("all-resident,popularity,lru,graphs-off,learned,device-resident,device-popularity,"
+                           "device-mapped")
     model_dir = args.out_dir / f"qwen3vl-30b-a3b-{args.layers}layer"
     image = args.out_dir / "image-1056.png"
 
     if args.worker == "accelerate":  # runs in its own process so that its host copy of the model goes away
         print(json.dumps(run_accelerate(model_dir, image, args.gpu_gib, args.accelerate_tokens)))
         return
-    if args.worker == "hf-resident":
-        print(json.dumps(run_hf_resident(model_dir, image, args.new_tokens)))
+    if args.worker in ("hf-resident", "hf-static"):
+        print(json.dumps(run_hf_resident(model_dir, image, args.new_tokens, static=args.worker == "hf-static")))
         return
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -464,11 +498,11 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        if "all-resident" in wanted:
+        if "all-resident" in wanted or "device-resident" in wanted:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
-            if name in wanted:
+            if name in wanted or f"device-{name}" in wanted:
                 engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)
         for name, e in engines.items():
             print(f"{name}: loaded in {e.load_s:.1f} s, peak GPU {e.peak_gpu_bytes / 2**30:.2f} GiB, "
@@ -483,10 +517,14 @@ def main() -> None:
                 ("budget", "popularity", {}),
                 ("budget", "lru", {"policy": "lru"}),
                 ("budget", "graphs-off", {"graphs": False}),
+                ("all-resident", "device-resident", {"device_decode": "auto"}),
+                ("budget", "device-popularity", {"device_decode": "on"}),
+                ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
             ]
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))
             configs += [(name, name, {}) for name in UNIFIED]
+            configs += [(name, f"device-{name}", {"device_decode": "on"}) for name in UNIFIED]
             configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
@@ -507,8 +545,14 @@ def main() -> None:
                                ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
                 results.append({**bound, "routing": mode})
             set_predictor(engines["budget"], "none", None)
-            profiles.append(profile_decode(engines["budget"], image, replay))
+            engines["budget"].device_decode = "off"
+            profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
             print("profile", profiles[-1], flush=True)
+            if "all-resident" in engines:  # the device path where it runs by default: every expert resident
+                engines["all-resident"].device_decode = "auto"
+                resident = profile_decode(engines["all-resident"], image, replay)
+                profiles.append({"engine": "every expert resident, device path", **resident})
+                print("profile", profiles[-1], flush=True)
         for e in engines.values():
             e.experts.pipeline.close()
         engines.clear()
@@ -524,6 +568,7 @@ def main() -> None:
         print(results[-1], flush=True)
     summary = {
         "machine": machine,
+        "hbm_bound": hbm_bound(info) if DEVICE == "cuda" else None,
         "date": time.strftime("%Y-%m-%d"),
         "pinned_gb_s": bandwidth / 1e9,
         "gpu_gib": args.gpu_gib,

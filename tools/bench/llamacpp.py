@@ -4,8 +4,8 @@
 llama.cpp is NOT part of this repository. Get its source from the PyPI `llama-cpp-python` sdist (which vendors
 llama.cpp and its converter) somewhere outside the repo, e.g.:
 
-    pip download --no-binary :all: --no-deps llama-cpp-python -d /work/bench-data/llama
-    tar xzf /work/bench-data/llama/llama_cpp_python-*.tar.gz -C /work/bench-data/llama
+    pip download --no-binary :all: --no-deps llama-cpp-python -d $BENCH_DATA/llama
+    tar xzf $BENCH_DATA/llama/llama_cpp_python-*.tar.gz -C $BENCH_DATA/llama
 
 Subcommands (see docs/benchmark-setup.md):
 

@@ -2,7 +2,7 @@
 """Run a command under a cgroup-v1 memory cap that includes its page cache; evict files from the page cache.
 
 A memory cgroup created by root on cgroup v1 charges a process's anonymous memory *and* the page cache it brings
-in (notes/linux-io.md §7), so it emulates a device whose whole DRAM is `limit` (e.g. a Jetson's unified memory)
+in (docs/platform-facts.md §1.7), so it emulates a device whose whole DRAM is `limit` (e.g. a Jetson's unified memory)
 on a bigger machine. Here:
 
 - `MemoryCgroup(name, limit)`: a context manager that creates `<parent>/vismmoe-bench-<name>` under the v1

@@ -19,8 +19,8 @@ Routing: `--routing replay` takes routed experts from a real trace (`--trace PAT
 prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
 `--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
 
-    python tools/bench/unified.py --model /work/bench-data/qwen3vl-30b-a3b-8layer \
-        --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
+    python tools/bench/unified.py --model $BENCH_DATA/qwen3vl-30b-a3b-8layer \
+        --trace $TRACES/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
 """
 
 from __future__ import annotations

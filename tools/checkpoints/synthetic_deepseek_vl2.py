@@ -27,7 +27,7 @@ directory that `vismmoe_edge.load` reads like a downloaded DeepSeek-VL2 one: `co
 - Tensors are packed in model order into shards of at most `shard_bytes`, each materialised alone (peak RAM about
   one shard), written into `.NAME.partial` beside `out_dir` and renamed into place at the end.
 
-CLI:  python tools/checkpoints/synthetic_deepseek_vl2.py /work/bench-data/deepseek-vl2-small-9layer # 1+8 layers, 9.8 GB
+CLI:  python tools/checkpoints/synthetic_deepseek_vl2.py $BENCH_DATA/deepseek-vl2-small-9layer # 1+8 layers, 9.8 GB
       python tools/checkpoints/synthetic_deepseek_vl2.py /tmp/tiny --layers 3 --experts 8 --top-k 2 --hidden 64 ...
 """
 

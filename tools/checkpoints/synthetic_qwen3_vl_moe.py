@@ -24,7 +24,7 @@ How it is built (peak RAM ~ one shard, <= `shard_bytes`, plus ~100 MB):
   most `shard_bytes`; each shard is materialised alone and written with `safetensors.torch.save_file`.
 - The directory is written as `.NAME.partial` beside `out_dir` and renamed into place at the end.
 
-CLI:  python tools/checkpoints/synthetic_qwen3_vl_moe.py /work/bench-data/qwen3vl-30b-a3b-8layer   # 8 layers, ~9.7 GB
+CLI:  python tools/checkpoints/synthetic_qwen3_vl_moe.py $BENCH_DATA/qwen3vl-30b-a3b-8layer   # 8 layers, ~9.7 GB
       python tools/checkpoints/synthetic_qwen3_vl_moe.py /tmp/tiny --layers 2 --experts 16               # smoke test
 """
 

@@ -1,7 +1,7 @@
 """Train a routing-history-only lookahead predictor on a real trace, for benchmarks that replay that trace.
 
     python tools/training/train_trace_predictor.py \
-        --trace ../shared/traces/deepseek_v2_lite_chat_puffin_prefill_top6.npz \
+        --trace $TRACES/deepseek_v2_lite_chat_puffin_prefill_top6.npz \
         --layers 8 --experts 128 --test-from 160000 --out /tmp/trace-predictor.onnx
 
 `vismmoe-edge --replay-trace` (and tools/bench/unified.py) maps model MoE layer i to trace layer i mod 26 and keeps

@@ -6,12 +6,15 @@ neither torch nor transformers at module level, so `--help` stays fast (tests/te
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # systemd stopped the daemon before it was up: a clean stop, not a crash (143)
+    # systemd stopped the daemon before it was up: a clean stop, not a crash (143). os._exit, not SystemExit:
+    # the signal may land inside an extension's import (torch's C++ init), where an exception aborts (134).
+    os._exit(0)
 
 
 if sys.argv[1:2] == ["serve"]:

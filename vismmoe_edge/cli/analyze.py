@@ -49,7 +49,7 @@ def analyze_command(
     """Per layer and per compressor: unique experts, concentration, next-layer predictability, on-demand loads
     under the memory budget; heatmaps of expert use for text, visual and kept visual tokens."""
     from vismmoe_edge.checkpoint_info import inspect_checkpoint
-    from vismmoe_edge.compress.prune import METHODS, CompressionConfig
+    from vismmoe_edge.compress.config import METHODS, CompressionConfig
     from vismmoe_edge.evaluation.analyze import analyze_compressor, format_table, plot_heatmaps
     from vismmoe_edge.evaluation.vqa import load_items
     from vismmoe_edge.options import load_resolved, resolve
@@ -64,7 +64,7 @@ def analyze_command(
         options = load_options(locals(), predictor="none")  # the demand compressors cause, not a predictor's
         resolved = resolve(options, checkpoint)
         memory_budget, pinned_layers, tier, plan_note = (
-            resolved.memory_budget, resolved.pinned_layers, resolved.tier, resolved.note
+            resolved.memory_budget_bytes, resolved.pinned_layers, resolved.tier, resolved.note
         )  # fmt: skip
         results = []
         for config in configs:  # a fresh engine each: every compressor starts from the same cold cache

@@ -67,7 +67,7 @@ def bench_command(
         "model": str(engine.model_dir),
         "device": str(engine.device),
         "options": {
-            "memory_budget": resolved.memory_budget,
+            "memory_budget": resolved.memory_budget_bytes,
             "pinned_layers": resolved.pinned_layers,
             "tier": resolved.tier,
             "prefetch_depth": resolved.prefetch_depth,

@@ -52,7 +52,7 @@ def calibrate_command(
     MoE layer of every step, with the experts the next layers then used. Run it with the compressor you deploy."""
     from tqdm import tqdm
 
-    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.evaluation.vqa import load_items
     from vismmoe_edge.predict.routing_features import FeatureRecorder
     from vismmoe_edge.sampling import SamplingConfig

@@ -69,7 +69,7 @@ def eval_command(
 ) -> None:
     """Score a model on Shapes-VQA or on your own images + JSONL: exact-match accuracy per family, routing
     concentration and expert traffic, with the same memory options as `run`."""
-    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.evaluation.vqa import choose_threads, evaluate, format_report, load_items
 
     try:

@@ -72,3 +72,13 @@ AffinityWeightOpt = Annotated[
     float, typer.Option("--affinity-weight", help="affinity: lambda in p = saliency - lambda * new-expert share")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+PlanBitsOpt = Annotated[
+    int | None, typer.Option("--bits", help="plan the experts as `quantize --bits 4|8` would convert them")
+]
+PlanDenseBitsOpt = Annotated[
+    int | None,
+    typer.Option("--dense-bits", help="plan attention, lm_head and MLPs as `quantize --dense-bits 4|8` would"),
+]
+PlanGroupOpt = Annotated[
+    int | None, typer.Option("--group-size", min=2, help="int4 group size of the planned conversion (default 128)")
+]

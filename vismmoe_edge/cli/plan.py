@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from vismmoe_edge.cli.common import demo_model, fail
-from vismmoe_edge.cli.options import DeviceOpt
+from vismmoe_edge.cli.options import DeviceOpt, PlanBitsOpt, PlanDenseBitsOpt, PlanGroupOpt
 from vismmoe_edge.errors import VismmoeError
 
 
@@ -26,9 +26,15 @@ def plan_command(
         float | None, typer.Option("--c-safe-gib", min=0.0, help="headroom kept free (GiB); default from the profile")
     ] = None,
     device: DeviceOpt = "auto",
+    bits: PlanBitsOpt = None,
+    dense_bits: PlanDenseBitsOpt = None,
+    group_size: PlanGroupOpt = None,
+    max_context: Annotated[
+        int | None, typer.Option("--max-context", min=1, help="positions the KV cache holds (default 4608)")
+    ] = None,
 ) -> None:
-    """Choose the device, tier, pinned-prefix depth, expert-cache size and prefetch depth for this machine, and the
-    memory each part takes; say why."""
+    """Choose the device, tier, pinned-prefix depth, expert-cache size and prefetch depth for this machine (or, with
+    a Jetson --profile off the board, for that module's memory), and the memory each part takes; say why."""
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.options import plan_gpu
     from vismmoe_edge.planning.plan import GIB, format_plan, make_plan
@@ -43,6 +49,10 @@ def plan_command(
             c_safe=None if c_safe_gib is None else int(c_safe_gib * GIB),
             profile_reason=reason,
             gpu=gpu,
+            bits=bits,
+            dense_bits=dense_bits,
+            group_size=group_size,
+            max_context=max_context,
         )
     except VismmoeError as e:
         raise fail(str(e)) from None

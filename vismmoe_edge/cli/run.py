@@ -72,7 +72,7 @@ def run(
         check_image_files(image or [])
     except VismmoeError as e:
         raise fail(str(e)) from None
-    from vismmoe_edge.compress.prune import CompressionConfig
+    from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.sampling import SamplingConfig
     from vismmoe_edge.serve.protocol import sampling_floor
 

@@ -8,15 +8,24 @@ from typing import Annotated
 
 import typer
 
-from vismmoe_edge.cli.common import fail
+from vismmoe_edge.cli.common import fail, load_options
 from vismmoe_edge.cli.options import (
     AffinityWeightOpt,
+    BudgetOpt,
     CompressorOpt,
+    DeviceOpt,
+    DtypeOpt,
     HostTierOpt,
     KeepRatioOpt,
+    PinnedOpt,
+    PolicyOpt,
+    PredictorOpt,
     PrefetchDepthOpt,
+    ProfileOpt,
     SalientRatioOpt,
+    TierOpt,
 )
+from vismmoe_edge.compress.config import CompressionConfig
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.serve.daemon import ServeOptions, serve
 from vismmoe_edge.serve.policy import parse_origin
@@ -45,34 +54,20 @@ def serve_command(
         str | None,
         typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
     ] = None,
-    memory_budget: Annotated[
-        str,
-        typer.Option(
-            "--memory-budget", help="expert bytes kept in memory: a size (2GiB), a share (40%), or auto (plan)"
-        ),
-    ] = "auto",
-    pinned_layers: Annotated[
-        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers stay resident; default: plan's")
-    ] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16")] = "auto",
-    tier: Annotated[str, typer.Option("--tier", help="cache: auto (the plan's), host, gpu, unified, mmap")] = "auto",
-    predictor: Annotated[
-        str,
-        typer.Option(
-            "--predictor", help="prefetch driver: auto, none, learned, next-layer-gate, previous-token, or a .onnx file"
-        ),
-    ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="eviction: popularity or lru")] = "popularity",
+    memory_budget: BudgetOpt = "auto",
+    pinned_layers: PinnedOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    tier: TierOpt = "auto",
+    predictor: PredictorOpt = "auto",
+    policy: PolicyOpt = "popularity",
     host_tier: HostTierOpt = "auto",
     prefetch_depth: PrefetchDepthOpt = None,
     compressor: CompressorOpt = "none",
     keep_ratio: KeepRatioOpt = 0.7,
     salient_ratio: SalientRatioOpt = 0.3,
     affinity_weight: AffinityWeightOpt = 2.0,
-    profile: Annotated[
-        str, typer.Option("--profile", help="board/power-mode profile for the plan: a name or auto; SIGHUP re-plans")
-    ] = "auto",
+    profile: ProfileOpt = "auto",  # SIGHUP re-plans
     image_dir: Annotated[
         list[Path] | None,
         typer.Option(
@@ -164,8 +159,8 @@ def serve_command(
             max_queue=max_queue,
             request_timeout_s=request_timeout,
         )
-        # Built by the daemon after it listens: CompressionConfig imports torch (seconds).
-        compression = (compressor, keep_ratio, salient_ratio, affinity_weight)
+        compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)  # torch-free
+        load = load_options(locals(), compression=compression)
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
         mode = parse_socket_mode(socket_mode)
@@ -176,17 +171,7 @@ def serve_command(
             port=port,
             unix_socket=unix_socket,
             socket_mode=mode,
-            memory_budget=memory_budget,
-            pinned_layers=pinned_layers,
-            device=device,
-            dtype=dtype,
-            tier=tier,
-            predictor=predictor,
-            policy=policy,
-            compression=compression,
-            profile=profile,
-            prefetch_depth=prefetch_depth,
-            host_tier=host_tier,
+            load=load,
             image_dirs=tuple(image_dir or ()),
             allowed_origins=tuple(parse_origin(o) for o in allowed_origin or ()),
             api_key=api_key or None,
@@ -211,22 +196,14 @@ def install_service_command(
         Path | None,
         typer.Option("--model", help="model directory the daemon serves; omit for the built-in (random) demo model"),
     ] = None,
-    memory_budget: Annotated[
-        str, typer.Option("--memory-budget", help="expert bytes in memory: auto (plan), 6GiB or 40%")
-    ] = "auto",
-    pinned_layers: Annotated[
-        int | None, typer.Option("--pinned-layers", min=0, help="first N MoE layers resident; default: the plan's")
-    ] = None,
-    tier: Annotated[str, typer.Option("--tier", help="auto, host, gpu, unified or mmap")] = "auto",
-    predictor: Annotated[
-        str, typer.Option("--predictor", help="auto, none, learned, next-layer-gate, previous-token, or a .onnx file")
-    ] = "auto",
-    policy: Annotated[str, typer.Option("--policy", help="popularity or lru")] = "popularity",
-    compressor: Annotated[
-        str, typer.Option("--compressor", help="none, random, saliency, zip or affinity")
-    ] = "none",
-    keep_ratio: Annotated[float, typer.Option("--keep-ratio", help="share of visual tokens kept")] = 0.7,
-    profile: Annotated[str, typer.Option("--profile", help="power profile; auto follows the board's mode")] = "auto",
+    memory_budget: BudgetOpt = "auto",
+    pinned_layers: PinnedOpt = None,
+    tier: TierOpt = "auto",
+    predictor: PredictorOpt = "auto",
+    policy: PolicyOpt = "popularity",
+    compressor: CompressorOpt = "none",
+    keep_ratio: KeepRatioOpt = 0.7,
+    profile: ProfileOpt = "auto",  # auto follows the board's power mode
     listen: Annotated[str, typer.Option("--listen", help="unix:PATH or HOST:PORT")] = DEFAULT_LISTEN,
     user: Annotated[str, typer.Option("--user", help="service user; it should own the model files")] = "vismmoe",
     group: Annotated[str | None, typer.Option("--group", help="service group (default: same as --user)")] = None,

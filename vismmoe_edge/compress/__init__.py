@@ -5,16 +5,32 @@ SigLIP tower); the keep set is its top tokens, plus (VisMMOE) the tokens whose r
 layers stays on the salient core's experts.
 """
 
-from vismmoe_edge.compress.saliency import VisionSaliency, attention_received, merge_to_llm_tokens, normalize01
-from vismmoe_edge.compress.select import (
-    affinity_keep,
-    affinity_keep_reference,
-    keep_count,
-    random_keep,
-    saliency_keep,
-    zip_keep,
-)
-from vismmoe_edge.compress.tile_saliency import TileSaliency, pool_to_tokens
+from importlib import import_module
+from typing import Any
+
+# name -> the submodule that defines it; imported on first use, so that `vismmoe_edge.compress.config` (torch-free)
+# can be imported without the torch-using rest.
+_HOMES = {
+    "VisionSaliency": "saliency",
+    "attention_received": "saliency",
+    "merge_to_llm_tokens": "saliency",
+    "normalize01": "saliency",
+    "affinity_keep": "select",
+    "affinity_keep_reference": "select",
+    "keep_count": "select",
+    "random_keep": "select",
+    "saliency_keep": "select",
+    "zip_keep": "select",
+    "TileSaliency": "tile_saliency",
+    "pool_to_tokens": "tile_saliency",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'vismmoe_edge.compress' has no attribute {name!r}")
+    return getattr(import_module(f"vismmoe_edge.compress.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "TileSaliency",

@@ -16,7 +16,6 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
 
 
 def attention_received(q: Tensor, k: Tensor, *, chunk: int = 1024) -> Tensor:
@@ -73,7 +72,7 @@ RotaryFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 class VisionSaliency:
     """Capture per-image token saliency from a Qwen3-VL(-MoE) or GLM-4.5V vision tower's last attention block.
 
-        with VisionSaliency(model.model.visual) as sal:
+        with VisionSaliency(model.model.visual, rotary=apply_rotary_pos_emb_vision) as sal:
             visual(pixel_values, grid_thw=grid)
         scores = sal.per_image()  # one [t*h*w // merge**2] tensor in [0, 1] per image
 
@@ -81,10 +80,10 @@ class VisionSaliency:
     the rotary embedding it is given) and scores each attention segment (`cu_seqlens`, one per frame) while the
     forward runs; the forward itself is untouched. Each forward of the tower replaces the previous capture.
     Both towers' attention blocks share that code (qkv, num_heads, cu_seqlens, (cos, sin)); `rotary` is the
-    family's own apply_rotary_pos_emb_vision (Qwen's by default).
+    family's own apply_rotary_pos_emb_vision (the family module passes it).
     """
 
-    def __init__(self, visual: nn.Module, *, chunk: int = 1024, rotary: RotaryFn = apply_rotary_pos_emb_vision) -> None:
+    def __init__(self, visual: nn.Module, *, rotary: RotaryFn, chunk: int = 1024) -> None:
         self.visual = visual
         self.rotary = rotary
         self.attn: nn.Module = visual.blocks[-1].attn

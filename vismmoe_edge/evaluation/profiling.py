@@ -382,7 +382,7 @@ def run_profile(
     settings = {
         "model": str(engine.model_dir),
         "demo_model": engine.is_demo,
-        "memory_budget": resolved.memory_budget,
+        "memory_budget": resolved.memory_budget_bytes,
         "pinned_layers": resolved.pinned_layers,
         "tier": engine.experts.pipeline.tier.name,
         "prefetch_depth": resolved.prefetch_depth,
@@ -410,7 +410,7 @@ def run_profile(
     files = ["samples.csv", "tokens.csv", "summary.json"]
     if plots:
         marks = {"loaded": workload_start - monitor.t0, "end": monitor.rows[-1]["elapsed_s"]}
-        name, budget = Path(settings["model"]).name, resolved.memory_budget
+        name, budget = Path(settings["model"]).name, resolved.memory_budget_bytes
         title = f"{name} | budget {budget} | tier {settings['tier']} | {settings['device']}"
         files += [p.name for p in write_plots(out, monitor.rows, tokens, marks, title)]
     summary["files"] = files

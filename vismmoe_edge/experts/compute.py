@@ -72,7 +72,7 @@ class OffloadedExperts(nn.Module):
         pipeline = rt.pipeline
         start = time.perf_counter()
         stalled_before = pipeline.layer_log[-1].stall_s
-        pool = getattr(pipeline.tier, "pool", None)
+        pool = pipeline.tier.pool
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
             slot_of = self._acquire_slots(order)
             slots = slot_ids(index_cpu, slot_of).to(pool.device)

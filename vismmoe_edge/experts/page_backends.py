@@ -6,7 +6,7 @@
   ``ThreadPoolExecutor`` (these release the GIL too).
 
 ``VISMMOE_NATIVE=0`` forces the Python backend; ``VISMMOE_NATIVE_LIB`` names a library file to load instead.
-Facts cited as "§N" are from notes/linux-io.md.
+Facts cited as "§N" are from docs/platform-facts.md.
 """
 
 from __future__ import annotations
@@ -131,13 +131,13 @@ class PythonBackend:
         if self.libc.mincore(base + start, end - start, vec) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mincore: {os.strerror(err)}")
-        return vec.raw[:pages].translate(_LSB)  # only the LSB is defined (§4.1)
+        return vec.raw[:pages].translate(_LSB)  # only the LSB is defined (§1.4)
 
     def residency(self, base: int, ranges: Sequence[Range]) -> list[int]:
         return [self.residency_map(base, o, n).count(1) for o, n in ranges]
 
     def advise(self, mf: MappedFile, ranges: Sequence[Range], advice: int, chunk: int) -> None:
-        # mmap.madvise takes raw uapi ints, even those CPython has no constant for (§8).
+        # mmap.madvise takes raw uapi ints, even those CPython has no constant for (§1.8).
         for offset, length in ranges:
             for start, size in chunk_spans(offset, length, chunk):
                 mf.buffer.madvise(advice, start, size)
@@ -187,7 +187,7 @@ class PythonBackend:
                 got = os.preadv(fd, [buf], start, os.RWF_NOWAIT)
             except BlockingIOError:
                 got = 0
-            out.append(got > 0 and got >= want)  # a 0 from the 5.9/5.10 bug counts as a miss (§4.3)
+            out.append(got > 0 and got >= want)  # a 0 from the 5.9/5.10 bug counts as a miss (§1.4)
         return out
 
     def mlock(self, address: int, length: int) -> int:

@@ -24,7 +24,7 @@ def page_span(offset: int, length: int, page: int = PAGE_SIZE) -> Range:
 def chunk_spans(offset: int, length: int, chunk: int, page: int = PAGE_SIZE) -> list[Range]:
     """The (start, length) hint calls covering a range's page span, ``chunk`` bytes (rounded up to pages) each.
 
-    ``chunk`` 0 means one call for the whole span. madvise needs a page-aligned start (§3.3).
+    ``chunk`` 0 means one call for the whole span. madvise needs a page-aligned start (§1.3).
     """
     start, end = page_span(offset, length, page)
     step = end - start if chunk <= 0 else chunk + (-chunk) % page

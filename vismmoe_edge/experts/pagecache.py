@@ -2,7 +2,7 @@
 
 On Jetson (unified memory) and CPU hosts the expert "cache" is the page cache, so the runtime works on
 (offset, length) ranges of the shard files. Each operation has a native (C) and a Python backend that give the
-same answers (page_backends.py). Facts cited as "§N" are from notes/linux-io.md.
+same answers (page_backends.py). Facts cited as "§N" are from docs/platform-facts.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vismmoe_edge.experts.page_backends import NativeBackend, PythonBackend, loa
 from vismmoe_edge.experts.page_ranges import MIB, PAGE_SIZE, Range, page_span, span_pages
 from vismmoe_edge.hardware.system import has_cap_ipc_lock, madvise_features, madvise_value
 
-# Hint chunk cap and the fallback when the device limits cannot be read (§3.3).
+# Hint chunk cap and the fallback when the device limits cannot be read (§1.3).
 DEFAULT_HINT_CHUNK = 2 * MIB
 # pread pool: throughput grows with the bytes in flight (threads x piece) until the device saturates; on the
 # VM one thread gave ~0.8 GB/s and 8 x 2 MiB ~1.1-1.3 GB/s, level with chunked WILLNEED
@@ -33,7 +33,7 @@ DEFAULT_PREAD_CHUNK = 2 * MIB
 DEFAULT_THREADS = 8
 
 
-# Linux uapi values (asm-generic/mman-common.h, §2) and posix_fadvise advice (os module).
+# Linux uapi values (asm-generic/mman-common.h, §1.2) and posix_fadvise advice (os module).
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
 MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ = 20, 21, 22
 
@@ -45,7 +45,7 @@ MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ = 20, 21, 22
 
 
 # --------------------------------------------------------------------------------------------------
-# Device limits -> hint chunk (§3: one hint reads at most max(read_ahead_kb, max_sectors_kb))
+# Device limits -> hint chunk (§1.3: one hint reads at most max(read_ahead_kb, max_sectors_kb))
 # --------------------------------------------------------------------------------------------------
 
 
@@ -76,7 +76,7 @@ def device_queue_limits(path: str | os.PathLike[str], sys_root: Path = Path("/sy
 
 
 def hint_chunk_for_limits(limits: tuple[int, int] | None) -> int:
-    """min(2 MiB, max(read_ahead, max_sectors)), at least a page; 2 MiB when the limits are unknown (§3.3)."""
+    """min(2 MiB, max(read_ahead, max_sectors)), at least a page; 2 MiB when the limits are unknown (§1.3)."""
     if limits is None:
         return DEFAULT_HINT_CHUNK
     return max(PAGE_SIZE, min(DEFAULT_HINT_CHUNK, max(limits)))
@@ -88,7 +88,7 @@ def hint_chunk_bytes(path: str | os.PathLike[str], sys_root: Path = Path("/sys")
 
 
 def readahead_clamp_bytes(path: str | os.PathLike[str], sys_root: Path = Path("/sys")) -> int | None:
-    """The most one WILLNEED / readahead call reads on ``path``'s device, or None if unknown (§3.1)."""
+    """The most one WILLNEED / readahead call reads on ``path``'s device, or None if unknown (§1.3)."""
     limits = device_queue_limits(path, sys_root)
     return None if limits is None else max(limits)
 
@@ -120,7 +120,7 @@ class MappedFile:
             raise
         self.base_address = _buffer_address(self._mm)
         self.hint_chunk = hint_chunk_bytes(self.path)
-        self.truthful_mincore = mincore_truthful(self)  # else mincore says "all resident" (§4.1)
+        self.truthful_mincore = mincore_truthful(self)  # else mincore says "all resident" (§1.4)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -173,7 +173,7 @@ class MappedFile:
 
 
 def _buffer_address(mm: mmap.mmap) -> int:
-    """Base address of a read-only mmap: ctypes.from_buffer refuses read-only buffers (§8), numpy does not.
+    """Base address of a read-only mmap: ctypes.from_buffer refuses read-only buffers (§1.8), numpy does not.
 
     The numpy view is dropped at once, so the mmap holds no export and can still be closed.
     """
@@ -188,7 +188,7 @@ def _buffer_address(mm: mmap.mmap) -> int:
 def mincore_truthful(mf: MappedFile) -> bool:
     """Whether mincore tells this process the truth about ``mf``: owner, CAP_FOWNER, or write access.
 
-    Otherwise the kernel reports every page resident (can_do_mincore, §4.1): use probe_nowait().
+    Otherwise the kernel reports every page resident (can_do_mincore, §1.4): use probe_nowait().
     """
     st = os.fstat(mf.fd)
     if os.geteuid() == st.st_uid:
@@ -254,7 +254,7 @@ def set_backend(name: str) -> str:
 def resident_pages(mf: MappedFile, ranges: Sequence[Range]) -> list[int]:
     """Resident pages of each range's page span (mincore: page-cache residency).
 
-    Only true for the file's owner (or a writer, or CAP_FOWNER); others get "all resident" (§4.1): check
+    Only true for the file's owner (or a writer, or CAP_FOWNER); others get "all resident" (§1.4): check
     ``mf.truthful_mincore`` and use probe_nowait() when it is False.
     """
     return _impl.residency(mf.base_address, mf.check_ranges(ranges))
@@ -275,7 +275,7 @@ def residency_map(mf: MappedFile, offset: int = 0, length: int | None = None) ->
 def wait_resident(
     mf: MappedFile, ranges: Sequence[Range], timeout: float = 2.0, poll: float = 0.001, stall: float | None = None
 ) -> bool:
-    """Poll mincore until every page of the ranges is resident (WILLNEED is asynchronous, §2).
+    """Poll mincore until every page of the ranges is resident (WILLNEED is asynchronous, §1.2).
 
     False on ``timeout``, or once residency has not grown for ``stall`` seconds: WILLNEED is a hint, and here
     1 run in 40 of 32 chunked 9 MiB hints left a page or two out for good (page cache full, free memory low).
@@ -317,7 +317,7 @@ def ensure_resident(
 ) -> int:
     """pread whatever pages of the ranges are not resident (after a hint, the holes); returns bytes read.
 
-    Where mincore would lie (not the file's owner, §4.1) it reads every range: cached pages cost a copy.
+    Where mincore would lie (not the file's owner, §1.4) it reads every range: cached pages cost a copy.
     """
     if mf.truthful_mincore:
         holes = missing_ranges(mf, ranges)
@@ -331,7 +331,7 @@ def ensure_resident(
 def probe_nowait(file: MappedFile | int, ranges: Sequence[Range], samples: int = 3) -> list[bool]:
     """Whether each range looks cached, from RWF_NOWAIT reads of its first / middle / last page.
 
-    Truthful for any reader, unlike mincore for non-owners (§4.3). Side effect: a miss starts an async read
+    Truthful for any reader, unlike mincore for non-owners (§1.4). Side effect: a miss starts an async read
     of the probed page (measured: it was resident 0.5 s later), so a probe is not read-only for the cache.
     Unreliable on 5.9/5.10 (JetPack 5), where a miss may read as 0 bytes; that is reported as not cached.
     """
@@ -371,8 +371,8 @@ def advise(mf: MappedFile, ranges: Sequence[Range], advice: int, chunk_bytes: in
 def prefetch_madvise(mf: MappedFile, ranges: Sequence[Range], chunk_bytes: int | None = None) -> None:
     """Asynchronous readahead of the ranges: chunked MADV_WILLNEED, returns before the data is read.
 
-    One hint reads at most max(read_ahead_kb, max_sectors_kb) (§3), so the default chunk is the device's
-    hint chunk. Page tables are not populated (§2); pair with wait_resident() to block and ensure_resident()
+    One hint reads at most max(read_ahead_kb, max_sectors_kb) (§1.3), so the default chunk is the device's
+    hint chunk. Page tables are not populated (§1.2); pair with wait_resident() to block and ensure_resident()
     to fill the pages a hint may leave out.
     """
     advise(mf, ranges, MADV_WILLNEED, mf.hint_chunk if chunk_bytes is None else chunk_bytes)
@@ -481,11 +481,11 @@ RELEASE_METHODS = ("auto", "dontneed", "pageout", "cold")
 def release(mf: MappedFile, ranges: Sequence[Range], method: str = "auto") -> str:
     """Drop the ranges' pages; returns the method used. Whole page spans go, edge pages of neighbours too.
 
-    - "dontneed" (and "auto"): MADV_DONTNEED zaps our page-table entries (the page cache stays, §5), then
+    - "dontneed" (and "auto"): MADV_DONTNEED zaps our page-table entries (the page cache stays, §1.5), then
       POSIX_FADV_DONTNEED frees the now unmapped clean pages. Any kernel, any user with the fd. Pages that
       another process maps stay.
     - "pageout" (5.4+): MADV_PAGEOUT reclaims now, but only pages mapped in *our* page tables, and only for
-      the file's owner (a silent no-op otherwise, §2). Measured here as root: pages brought in by WILLNEED or
+      the file's owner (a silent no-op otherwise, §1.2). Measured here as root: pages brought in by WILLNEED or
       pread, never faulted through the mapping, stayed resident; and it is best effort (pages still in
       another CPU's LRU-add batch are skipped: 24 of 1282 stayed once). Hence not the "auto" choice.
     - "cold" (5.4+): MADV_COLD, a nondestructive hint: first to go under memory pressure.
@@ -510,7 +510,7 @@ def release(mf: MappedFile, ranges: Sequence[Range], method: str = "auto") -> st
 def evict_file(path: str | os.PathLike[str], attempts: int = 1) -> int:
     """Drop a whole file from the page cache (benchmarks, tests); returns the bytes still resident.
 
-    Writes dirty pages back first (FADV_DONTNEED skips dirty pages, §5). Pages mapped by a live mapping stay:
+    Writes dirty pages back first (FADV_DONTNEED skips dirty pages, §1.5). Pages mapped by a live mapping stay:
     release() those mappings first (MappedFile.close() alone does not unmap views others hold). A drop is best
     effort (a page still in flight or in another CPU's LRU batch can stay), so tests ask for several attempts.
     """
@@ -549,7 +549,7 @@ def lock(mf: MappedFile, ranges: Sequence[Range]) -> LockReport:
     """mlock each range's page span, within RLIMIT_MEMLOCK; reports failures and never raises.
 
     mlock faults the pages in (reading the file). The limit is 64 KiB on 5.10/5.15 kernels by default and
-    8 MiB for systemd units; CAP_IPC_LOCK lifts it (§6). Locked pages cannot be released (MADV_DONTNEED
+    8 MiB for systemd units; CAP_IPC_LOCK lifts it (§1.6). Locked pages cannot be released (MADV_DONTNEED
     gives EINVAL) until unlock().
     """
     locked = failed = 0
@@ -574,7 +574,7 @@ def unlock(mf: MappedFile, ranges: Sequence[Range]) -> None:
 
 
 def locked_bytes() -> int:
-    """VmLck of this process: bytes mlocked now (cudaHostRegister pins are not counted, §6)."""
+    """VmLck of this process: bytes mlocked now (cudaHostRegister pins are not counted, §1.6)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmLck:"):
             return int(line.split()[1]) << 10

@@ -17,12 +17,16 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Protocol
 
-from vismmoe_edge.experts.store import ExpertWeights
+from tqdm.auto import tqdm
+
+from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -43,16 +47,53 @@ class State(Enum):
 
 
 class Tier(Protocol):
-    """Moves one expert into slot `slot` of fast memory (blocking; runs on the I/O thread)."""
+    """Moves one expert into slot `slot` of fast memory (blocking; runs on the I/O thread). Everything the
+    pipeline, the runtime, compute and the loader ask of a tier is here; TierDefaults gives the usual answers."""
 
     name: str
     slot_bytes: int  # bytes one expert takes in fast memory
+    # The slot pool compute gathers a layer's experts from by slot id (experts/pool_compute.py), or None: the
+    # experts are computed one by one from what `fetch` returned.
+    pool: Any
+    pinned_slot: Mapping[ExpertKey, int]  # the pinned prefix's slots in `pool` (empty where it lives apart)
 
     def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights: ...
     def release(self, key: ExpertKey, slot: int) -> None: ...
     def ready(self, key: ExpertKey, slot: int) -> None: ...  # before compute reads it (CUDA: wait on the event)
     def done(self, key: ExpertKey, slot: int) -> None: ...  # compute has queued its last read of the slot
     def read_bytes(self, key: ExpertKey) -> int: ...  # bytes one fetch moves from the slow tier
+    def can_fetch_inline(self, key: ExpertKey) -> bool: ...  # a miss only queues a DMA: fetch on compute's thread
+
+    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], Any]:
+        """The pinned prefix's weights, and what locking them reported (None: nothing to report)."""
+        ...
+
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        """Once the model is built: give back what loading left in the page cache that this tier will not use."""
+        ...
+
+
+class TierDefaults:
+    """The answers of a tier with no slot pool of its own: experts computed one by one, no inline fetch, the
+    pinned prefix loaded into ordinary tensors, nothing to release after loading."""
+
+    pool: Any = None
+    pinned_slot: Mapping[ExpertKey, int] = MappingProxyType({})
+    store: ExpertStore
+
+    def can_fetch_inline(self, key: ExpertKey) -> bool:
+        return False
+
+    def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], Any]:
+        bar = tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
+        return {k: self.store.load(*k) for k in bar}, None
+
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        return None
 
 
 @dataclass
@@ -149,6 +190,7 @@ class ExpertPipeline:
         self._error: BaseException | None = None
         self._misses: set[int] = set()  # experts of the current layer that were demand misses
         self._closed = False
+        self.residency_version = 0  # bumped whenever an expert enters or leaves a slot (experts/table.py syncs on it)
         self._update_resident()
         self._workers = [
             threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
@@ -238,7 +280,7 @@ class ExpertPipeline:
         prefix in the same pool (None otherwise)."""
         key = (layer, expert)
         if key in self.pinned:
-            return getattr(self.tier, "pinned_slot", {}).get(key)
+            return self.tier.pinned_slot.get(key)
         entry = self._entries.get(key)
         return None if entry is None else entry.slot
 
@@ -298,6 +340,64 @@ class ExpertPipeline:
         """True for a slot-held expert that has arrived (lock-free: a dict read and an Event check)."""
         entry = self._entries.get((layer, expert))
         return entry is not None and entry.loaded.is_set()
+
+    def resident_slots(self) -> dict[ExpertKey, int]:
+        """Every expert that can be read from the pool now (arrived, not evicted) -> its slot."""
+        pinned_slot = getattr(self.tier, "pinned_slot", {})
+        with self._lock:
+            slots = {k: e.slot for k, e in self._entries.items() if e.loaded.is_set() and e.slot is not None}
+        return slots | {k: pinned_slot[k] for k in self.pinned if k in pinned_slot}
+
+    def touch(self, layer: int, experts: Iterable[int]) -> None:
+        """A token used these experts without acquiring them (the device-side decode, which runs only when every
+        one was resident): count the hits, refresh their place in the eviction order as `finish` would, and their
+        popularity."""
+        with self._lock:
+            for expert in experts:
+                key = (layer, expert)
+                self.stats.hits += 1
+                entry = self._entries.get(key)
+                if self.policy == "popularity":
+                    self._popularity[key] = self._popularity.get(key, 0.0) * POPULARITY_DECAY + 1.0
+                if entry is None or entry.state is not State.EXPIRED:
+                    continue
+                score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+                self._set_evictable(entry, State.EXPIRED, EXPIRED_BASE + score + next(self._clock))
+
+    def promote(self, layer: int, expert: int) -> int | None:
+        """Bring an expert that device tokens read in place from the host tier into a slot, if a slot is free or
+        holds an expert worth less (popularity, then age, as eviction ranks them); returns its slot, or None.
+
+        Compute thread, between tokens. The fetch only queues a DMA from pinned memory (tiers that can fetch
+        inline); the slot's event marks its end, and the device table adds the expert only once that event has
+        completed (ExpertTable.sync), so no token reads a half-filled slot. The evicted expert stays readable
+        from the host tier meanwhile, which is why no token needs to wait.
+        """
+        key = (layer, expert)
+        inline = getattr(self.tier, "can_fetch_inline", None)
+        if key in self.pinned or inline is None or not inline(key):
+            return None
+        with self._lock:
+            if key in self._entries:
+                return None
+            score = self._popularity.get(key, 0.0) * POPULARITY_SCALE if self.policy == "popularity" else 0.0
+            priority = EXPIRED_BASE + score + next(self._clock)
+            taken = self._take_slot(for_demand=False, priority=priority)
+            if taken is None:
+                return None
+            slot, victim = taken
+            if victim is not None:
+                self.tier.release(victim, slot)
+            entry = self._entries[key] = Entry(key, State.EXPIRED, priority)
+            start = time.perf_counter()
+            entry.weights, entry.slot = self.tier.fetch(key, slot), slot
+            self._loaded_count += 1
+            self.stats.bytes_read += self.tier.read_bytes(key)
+            self.stats.fetch_seconds += time.perf_counter() - start
+            entry.loaded.set()  # for the per-layer path, which waits on the slot's event (tier.ready)
+            self._set_evictable(entry, State.EXPIRED, priority)
+            self._update_resident()
+        return slot
 
     def resident_keys(self) -> set[ExpertKey]:
         with self._lock:
@@ -447,8 +547,7 @@ class ExpertPipeline:
     def _fetch_inline(self, entry: Entry) -> bool:
         """A demand miss whose fetch only queues a DMA (the bytes are in pinned host memory) is fetched right
         here, on the compute thread: no hand-off to an I/O thread, no interpreter between the bytes and the bus."""
-        inline = getattr(self.tier, "can_fetch_inline", None)  # tiers that never can (the page cache) need not say
-        if inline is None or not inline(entry.key):
+        if not self.tier.can_fetch_inline(entry.key):
             return False
         taken = self._take_slot(for_demand=True, priority=REQUIRED_PRIORITY)
         if taken is None:
@@ -505,6 +604,7 @@ class ExpertPipeline:
             keys.discard(key)
 
     def _update_resident(self) -> None:
+        self.residency_version += 1
         self.stats.resident_bytes = self.stats.pinned_bytes + self._loaded_count * self.tier.slot_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tqdm.auto import tqdm
-
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
 from vismmoe_edge.experts.pipeline import ExpertPipeline
@@ -14,7 +12,7 @@ from vismmoe_edge.experts.tiers.registry import resolve_auto, tier_kind
 from vismmoe_edge.units import format_bytes
 
 # Layers of top-k experts that predictions may have in flight when no plan set a depth: two, the bound peers
-# found before speculative bytes start to slow demand misses (peers.md 6.3).
+# found before speculative bytes start to slow demand misses (docs/platform-facts.md §5.3).
 DEFAULT_PREFETCH_DEPTH = 2
 
 
@@ -56,22 +54,15 @@ def build_runtime(
         mirror = HostMirror(store.catalogue, [(layer, e) for layer in streamed for e in range(num_experts)])
         mirror.fill()
     tier_impl = kind.build(store, max(slots, 1), pinned=len(keys), mirror=mirror)
-    lock_report = None
-    pin = getattr(tier_impl, "pin", None)
-    if pin is not None:  # the slot pool's own slots; unified memory: the page cache, mlocked where allowed
-        pinned, lock_report = pin(keys)
-    else:
-        pinned = {
-            k: store.load(*k)
-            for k in tqdm(keys, desc="loading pinned prefix", unit="expert", disable=None, leave=False)
-        }
+    # The slot pool's own slots; unified memory: the page cache, mlocked where allowed; else ordinary tensors.
+    pinned, lock_report = tier_impl.pin(keys)
 
     pipeline = ExpertPipeline(
         tier_impl,
         capacity=max(slots, 1),
         pinned=pinned,
-        # Speculative bytes in flight spend the bandwidth demand misses need (peers.md 6.3): the plan's prefetch
-        # depth in layers of top-k experts, never more than a quarter of the cache.
+        # Speculative bytes in flight spend the bandwidth demand misses need (platform-facts.md §5.3): the plan's
+        # prefetch depth in layers of top-k experts, never more than a quarter of the cache.
         speculative_cap_bytes=min(speculative_experts, slots // 4) * tier_impl.slot_bytes,
         io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,

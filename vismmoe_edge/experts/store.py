@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, ExpertLocation, ExpertPart, TensorInfo
+from vismmoe_edge.config import cache_expert_bytes
 from vismmoe_edge.quant.kernels import QuantizedExpert
 from vismmoe_edge.quant.slot_form import SlotForm
 
@@ -68,10 +69,7 @@ class ExpertStore:
 
     def expert_nbytes(self) -> int:
         """Bytes one expert takes in memory once converted to the compute dtype (quantized: its record)."""
-        if self.catalogue.quant is not None:
-            return self.catalogue.quant.nbytes
-        loc = next(iter(self.catalogue.experts.values()))
-        return sum(p.nbytes // TORCH_DTYPES[p.dtype].itemsize for p in loc.parts) * self.dtype.itemsize
+        return cache_expert_bytes(self.catalogue, self.dtype)
 
     def _part(self, part: ExpertPart) -> torch.Tensor:
         raw = self.files.view(part.shard, part.offset, part.nbytes, part.dtype, part.shape)

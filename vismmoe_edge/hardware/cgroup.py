@@ -1,6 +1,6 @@
 """The memory cgroup this process runs in: its limit, its usage and how much of that is page cache.
 
-A cgroup counts the page cache a process brings in as well as its anonymous memory (notes/linux-io.md §7), and
+A cgroup counts the page cache a process brings in as well as its anonymous memory (docs/platform-facts.md §1.7), and
 past its limit the kernel OOM-kills (v1 `memory.limit_in_bytes`, v2 `memory.max`; systemd's `MemoryMax=` sets
 the latter, `MemoryHigh=` throttles below it). So the planner plans within the smaller of MemAvailable and what
 the cgroup leaves. Every reader takes `root`, so tests point it at a recorded tree. No torch here: the CLI asks

@@ -1,9 +1,18 @@
-"""The CUDA runtime through ctypes: device attributes, host registration, mapped pinned memory.
+"""The CUDA runtime calls the integrated-GPU tiers need: device attributes, host registration, mapped pinned memory.
 
 torch.cuda.cudart() exposes cudaHostRegister/Unregister but neither cudaDeviceGetAttribute nor
-cudaHostGetDevicePointer, so this binds the very libcudart that torch loaded (found in /proc/self/maps once
-torch has initialised CUDA), which shares torch's primary context. Importing this module loads nothing.
-Attribute numbers and flags: notes/linux-io.md §10.1 and cuda_runtime_api.h.
+cudaHostGetDevicePointer. Two bindings give them, behind one interface (`runtime()` picks):
+- NVIDIA's cuda-bindings (`cuda.bindings.runtime`, part of cuda-python; the `jetson-gpu` extra), preferred: it is
+  NVIDIA's own, maintained binding with named enums instead of numbers typed in here, it ships x86-64 and aarch64
+  wheels (cuda-bindings 12.x for JetPack 6's CUDA 12, 13.x for CUDA 13), and, being the runtime API, it works in
+  the device's primary context, the one torch uses, so pointers and registrations are shared with torch. pycuda
+  (the other candidate) makes its own context unless told to use the primary one (pycuda.autoprimaryctx), and PyPI
+  has only its source: it compiles against the CUDA toolkit on each Jetson.
+- ctypes on the very libcudart that torch loaded (found in /proc/self/maps once torch has initialised CUDA), the
+  fallback when cuda-bindings is not installed; same primary context.
+Importing this module loads nothing. Attribute numbers and flags: docs/platform-facts.md §2.1 (the CUDA Runtime
+API's cudaDeviceAttr and cudaHostRegister flags); tools/device/binding_checks.py compares them with the binding's
+named enums.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 SUCCESS = 0
 ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
@@ -132,24 +142,81 @@ class CudaRuntime:
         return self._done(self.lib.cudaFreeHost(address))
 
 
+class BindingRuntime:
+    """The same calls through NVIDIA's cuda-bindings (`cuda.bindings.runtime`): every binding call returns a tuple
+    whose first item is the cudaError_t; attributes are passed as its named cudaDeviceAttr members."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.path = f"cuda.bindings.runtime ({getattr(rt, '__file__', 'cuda-bindings')})"
+
+    def _done(self, result: Any) -> tuple[int, Any]:
+        err = int(result[0])
+        if err != SUCCESS:
+            self.rt.cudaGetLastError()  # as the ctypes path: leave no error for torch to read
+        return err, result[1] if len(result) > 1 else None
+
+    def error_string(self, err: int) -> str:
+        _, text = self.rt.cudaGetErrorString(self.rt.cudaError_t(err))
+        return f"{text.decode() if isinstance(text, bytes) else text or 'unknown error'} ({err})"
+
+    def set_device(self, index: int) -> int:
+        return self._done(self.rt.cudaSetDevice(index))[0]
+
+    def attribute(self, attr: int, device: int = 0) -> int | None:
+        err, value = self._done(self.rt.cudaDeviceGetAttribute(self.rt.cudaDeviceAttr(attr), device))
+        return None if err else int(value)
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int:
+        return self._done(self.rt.cudaHostRegister(address, nbytes, flags))[0]
+
+    def host_unregister(self, address: int) -> int:
+        return self._done(self.rt.cudaHostUnregister(address))[0]
+
+    def device_pointer(self, address: int) -> tuple[int, int]:
+        err, pointer = self._done(self.rt.cudaHostGetDevicePointer(address, 0))
+        return err, int(pointer or 0)
+
+    def host_alloc(self, nbytes: int, flags: int) -> tuple[int, int]:
+        err, pointer = self._done(self.rt.cudaHostAlloc(nbytes, flags))
+        return err, int(pointer or 0)
+
+    def free_host(self, address: int) -> int:
+        return self._done(self.rt.cudaFreeHost(address))[0]
+
+
+Runtime = CudaRuntime | BindingRuntime
+
 _lock = threading.Lock()
-_runtime: CudaRuntime | None = None
+_runtime: Runtime | None = None
 
 
-def runtime() -> CudaRuntime:
-    """The bound runtime (one per process). Call after torch has initialised CUDA, so that the library torch
-    loaded is the one found; CudaRuntimeUnavailable with the paths tried otherwise."""
+def binding_runtime() -> BindingRuntime | None:
+    """cuda-bindings' runtime, or None where it is not installed (the CPU venv, a JetPack without the extra)."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    return BindingRuntime(rt)
+
+
+def ctypes_runtime() -> CudaRuntime:
+    """libcudart through ctypes: the first candidate that loads; CudaRuntimeUnavailable with the paths tried."""
+    tried = []
+    for path in library_candidates():
+        try:
+            return CudaRuntime(ctypes.CDLL(path), path)
+        except (OSError, AttributeError) as e:
+            tried.append(f"{path} ({e})")
+    where = "; ".join(tried) or "nothing in /proc/self/maps, the nvidia/* wheels or /usr/local/cuda"
+    raise CudaRuntimeUnavailable(f"no usable libcudart: tried {where} (or install cuda-bindings)")
+
+
+def runtime() -> Runtime:
+    """The bound runtime (one per process): cuda-bindings where installed, else ctypes on torch's libcudart. Call
+    after torch has initialised CUDA, so that the ctypes fallback finds the library torch loaded."""
     global _runtime
     with _lock:
-        if _runtime is not None:
-            return _runtime
-        tried = []
-        for path in library_candidates():
-            try:
-                lib = ctypes.CDLL(path)
-                _runtime = CudaRuntime(lib, path)
-                return _runtime
-            except (OSError, AttributeError) as e:
-                tried.append(f"{path} ({e})")
-        where = "; ".join(tried) or "nothing in /proc/self/maps, the nvidia/* wheels or /usr/local/cuda"
-        raise CudaRuntimeUnavailable(f"no usable libcudart: tried {where}")
+        if _runtime is None:
+            _runtime = binding_runtime() or ctypes_runtime()
+        return _runtime

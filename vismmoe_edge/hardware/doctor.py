@@ -21,7 +21,7 @@ from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.system import GIB, JetsonBoard
 
 # Wheels for JetPack 6 (CUDA 12.6): torch and onnxruntime-gpu have no aarch64 CUDA builds on PyPI
-# (jetson.md §5, microsoft/onnxruntime #20503).
+# (docs/platform-facts.md §3.5, microsoft/onnxruntime #20503).
 JETSON_AI_LAB_JP6_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu126"
 JETSON_ZOO_ONNXRUNTIME = "https://elinux.org/Jetson_Zoo#ONNX_Runtime"
 MIN_PYTHON = (3, 10)
@@ -250,7 +250,7 @@ def check_jtop(root: Path, board: JetsonBoard | None) -> Check:
             status="missing" if absent else "warn",
         )
     version = _version(jtop)
-    socket = root / "run/jtop.sock"  # the jtop.service endpoint: mode 660, group jtop (jetson.md §4.1)
+    socket = root / "run/jtop.sock"  # the jtop.service endpoint: mode 660, group jtop (docs/platform-facts.md §3.4)
     if not socket.exists():
         return Check(
             "jtop",
@@ -290,7 +290,7 @@ def check_onnxruntime(board: JetsonBoard | None) -> Check:
     has_cuda = "CUDAExecutionProvider" in providers
     detail = f"{_version(ort)}, providers: {', '.join(providers)}"
     if not has_cuda:
-        # The predictor runs on the CPU provider by default; a GPU provider is optional (jetson.md §5).
+        # The predictor runs on the CPU provider by default; a GPU provider is optional (docs/platform-facts.md §3.5).
         detail += f"; no CUDA provider (the predictor uses CPU; {gpu_hint})"
     return Check("onnxruntime", True, detail)
 

@@ -3,7 +3,7 @@
 On a Jetson Orin the iGPU shares the DRAM but cannot dereference pageable or mmapped pointers
 (pageableMemoryAccess = 0) and the CPU must not touch managed memory while a kernel runs
 (concurrentManagedAccess = 0), so expert bytes must sit in pinned, mapped host memory or in a registered range
-(notes/linux-io.md §10-11). Read from torch and cudaDeviceGetAttribute (hardware/cudart.py), or simulated in
+(docs/platform-facts.md §2-§3.1). Read from torch and cudaDeviceGetAttribute (hardware/cudart.py), or simulated in
 tests; `doctor` prints them.
 """
 
@@ -65,7 +65,7 @@ class GpuAccess:
 
 
 # What the CUDA for Tegra note and our notes say of Orin's iGPU; None where no Orin has been probed yet
-# (notes/linux-io.md §11: attributes 99, 100, 113 and registration of file maps are unverified).
+# (docs/platform-facts.md §3.1: attributes 99, 100, 113 and registration of file maps are unverified).
 ORIN_DOCUMENTED = GpuAccess(
     name="Orin iGPU",
     index=0,
@@ -76,7 +76,7 @@ ORIN_DOCUMENTED = GpuAccess(
     host_pointer_for_registered_mem=None,
     host_register_supported=None,
     read_only_host_register_supported=None,
-    source="documented for Orin, not probed (notes/linux-io.md §11)",
+    source="documented for Orin, not probed (docs/platform-facts.md §3.1)",
 )
 
 
@@ -92,7 +92,7 @@ def simulated_integrated(**overrides: Any) -> GpuAccess:
     return replace(base, **overrides)
 
 
-def _flag(rt: cudart.CudaRuntime | None, attr: int, index: int) -> bool | None:
+def _flag(rt: cudart.Runtime | None, attr: int, index: int) -> bool | None:
     value = None if rt is None else rt.attribute(attr, index)
     return None if value is None else bool(value)
 
@@ -106,7 +106,7 @@ def probe(index: int = 0) -> GpuAccess | None:
     props = torch.cuda.get_device_properties(index)
     torch.cuda.init()  # so that the libcudart torch uses is mapped and found first
     try:
-        rt: cudart.CudaRuntime | None = cudart.runtime()
+        rt: cudart.Runtime | None = cudart.runtime()
         source = f"cudaDeviceGetAttribute via {rt.path}"  # type: ignore[union-attr]
     except cudart.CudaRuntimeUnavailable as e:
         rt, source = None, f"torch only; {e}"

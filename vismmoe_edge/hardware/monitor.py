@@ -1,7 +1,7 @@
 """Telemetry samplers behind one interface, and a background thread that samples them into rows.
 
 - `JtopSampler`: Jetson power rails, temperatures, GPU load and clock, RAM, swap, EMC, through the jtop
-  client (jetson-stats). Optional: not installed, or its root service down (notes/jetson.md §4.4), is
+  client (jetson-stats). Optional: not installed, or its root service down (docs/platform-facts.md §3.4), is
   reported once and the run goes on without it.
 - `PsutilSampler`: process CPU and RSS, system memory and swap; psutil when importable, else /proc.
 - `NvmlSampler`: a discrete NVIDIA GPU's utilisation, memory, power and SM clock through pynvml
@@ -83,7 +83,7 @@ class JtopSampler(Sampler):
         self._exception = JtopException
         self._jetson = jtop(interval=interval)
         try:
-            self._jetson.start()  # off-Jetson or service down: JtopException within ~0.01 s (jetson.md §4.4)
+            self._jetson.start()  # off-Jetson or service down: JtopException within ~0.01 s (platform-facts.md §3.4)
         except Exception as exc:
             text = " ".join(str(exc).split())  # jtop's texts contain newlines
             raise SamplerUnavailable(f"jtop is installed but unusable: {text}") from None

@@ -1,10 +1,10 @@
 """Which Jetson power mode is running, by NAME and parsed limits: never by numeric id.
 
-Sources, in order (jetson.md §3.1): ``/var/lib/nvpmodel/status`` (``pmode:000N``, written on a mode
+Sources, in order (docs/platform-facts.md §3.3): ``/var/lib/nvpmodel/status`` (``pmode:000N``, written on a mode
 change), then ``nvpmodel -q`` (only on the live system and only when the binary exists), then the
 conf's ``PM_CONFIG DEFAULT`` (the mode that applies when nobody ever switched). The id from those
 sources is only an index into this device's own ``/etc/nvpmodel.conf``: the same id means different
-modes on different modules and releases (jetson.md §3.2).
+modes on different modules and releases (docs/platform-facts.md §3.3).
 
 Every reader takes ``root`` so that tests point it at a fixture tree (tests/fixtures/boards/<board>/).
 """
@@ -29,7 +29,7 @@ _POWER_MODEL = re.compile(r"<\s*POWER_MODEL\s+ID=(\d+)\s+NAME=(\S+?)\s*>")
 _PM_CONFIG = re.compile(r"<\s*PM_CONFIG\s+DEFAULT=(\d+)")
 _STATUS = re.compile(r"pmode:\s*(\d+)")
 _QUERY_NAME = re.compile(r"NV Power Mode:\s*(\S+)")
-_TPC_BITS = 8  # TPC_PG_MASK: a set bit = a power-gated TPC, over 8 bit positions (jetson.md §1.1)
+_TPC_BITS = 8  # TPC_PG_MASK: a set bit = a power-gated TPC, over 8 bit positions (docs/platform-facts.md §3.2)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class PowerMode:
 @dataclass(frozen=True)
 class NvpmodelConf:
     path: Path
-    target: str  # basename of the symlink's target, e.g. "nvpmodel_p3767_0000_super.conf" (jetson.md §3.1)
+    target: str  # basename of the symlink's target, e.g. "nvpmodel_p3767_0000_super.conf" (docs/platform-facts.md §3.3)
     modes: dict[int, PowerMode]
     default_id: int | None
 
@@ -96,7 +96,7 @@ class RunningMode:
 
 
 def parse_conf(text: str) -> tuple[dict[int, PowerMode], int | None]:
-    """({id: PowerMode}, default id) from nvpmodel.conf text (the grammar of jetson.md §3.1)."""
+    """({id: PowerMode}, default id) from nvpmodel.conf text (the grammar of docs/platform-facts.md §3.3)."""
     modes: dict[int, PowerMode] = {}
     default: int | None = None
     current: PowerMode | None = None
@@ -128,7 +128,7 @@ def _to_mhz(value: int) -> float:
 
 def _cap(value: Setting | None, *, zero_is_uncapped: bool = False) -> float | None:
     if not isinstance(value, int) or value < 0 or (zero_is_uncapped and value == 0):
-        return None  # -1 = INT_MAX = the hardware maximum (jetson.md §1.1); EMC uses 0 too (§3.1)
+        return None  # -1 = INT_MAX = the hardware maximum (docs/platform-facts.md §3.2); EMC uses 0 too (§3.1)
     return _to_mhz(value)
 
 
@@ -202,7 +202,7 @@ def read_status(root: Path = Path("/")) -> int | None:
 def query_nvpmodel(root: Path = Path("/"), timeout_s: float = 5.0) -> tuple[str | None, int | None] | None:
     """``nvpmodel -q`` on the live system; None for fixture roots, without the binary, or on failure.
 
-    Often needs sudo (jetson.md §3.1), so nothing depends on it.
+    Often needs sudo (docs/platform-facts.md §3.3), so nothing depends on it.
     """
     if root.resolve() != Path("/"):
         return None

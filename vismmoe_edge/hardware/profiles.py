@@ -1,7 +1,7 @@
 """Hardware profiles (vismmoe_edge/profiles/*.toml) and choosing one: by name, or ``auto``.
 
 ``auto`` keys a Jetson by (module, power-mode NAME) and checks the mode's parsed limits, never the numeric
-mode id (jetson.md §3.2, §9 item 1). A mode our profiles lack falls back to the closest profile by limits,
+mode id (docs/platform-facts.md §3.3). A mode our profiles lack falls back to the closest profile by limits,
 with a warning. Off a Jetson: ``desktop-gpu`` when CUDA works, else ``cpu``.
 """
 
@@ -81,7 +81,7 @@ class Profile:
 
 
 def _uncapped(value: float) -> float | None:
-    return None if value < 0 else float(value)  # -1 = no cap, as in the conf (jetson.md §1.1)
+    return None if value < 0 else float(value)  # -1 = no cap, as in the conf (docs/platform-facts.md §3.2)
 
 
 def profile_from_dict(data: dict[str, Any], source: str) -> Profile:
@@ -189,7 +189,7 @@ def limits_distance(a: ModeLimits, b: ModeLimits) -> float:
         if x is None and y is None:
             continue
         if x is None or y is None:
-            total += 0.5  # the hardware maximum is not in our tables (jetson.md §1: unverified)
+            total += 0.5  # the hardware maximum is not in our tables (docs/platform-facts.md §3.2: unverified)
         elif max(x, y) > 0:
             total += abs(x - y) / max(x, y)
     return total
@@ -242,7 +242,7 @@ def select_profile(
         profile = named[0]
         if mode.limits is not None and profile.limits is not None:
             diffs = limit_differences(mode.limits, profile.limits)
-            if diffs:  # same name, other limits: another L4T release (jetson.md §3.2)
+            if diffs:  # same name, other limits: another L4T release (docs/platform-facts.md §3.3)
                 warnings.append(
                     f"{mode.name}'s limits differ from {profile.name} (conf vs profile): {'; '.join(diffs)}"
                 )

@@ -57,7 +57,7 @@ class MadviseAdvice:
     use: str
 
 
-# The four pieces of advice the expert pager uses (notes/linux-io.md §2).
+# The four pieces of advice the expert pager uses (docs/platform-facts.md §1.2).
 MADVISE_ADVICE: tuple[MadviseAdvice, ...] = (
     MadviseAdvice("MADV_WILLNEED", 3, None, "asynchronous readahead of an expert range"),
     MadviseAdvice("MADV_COLD", 20, (5, 4, 0), "mark evicted experts as first to reclaim"),
@@ -83,7 +83,7 @@ def mmap_madvise_constants() -> dict[str, bool]:
 def madvise_value(name: str) -> int:
     """The number to pass to ``mmap.madvise``: the module's constant, else the uapi value.
 
-    Raw ints pass straight through ``mmap.madvise`` (notes/linux-io.md §8), so no ctypes is needed.
+    Raw ints pass straight through ``mmap.madvise`` (docs/platform-facts.md §1.8), so no ctypes is needed.
     """
     return getattr(mmap, name, _ADVICE_BY_NAME[name].value)
 
@@ -131,7 +131,7 @@ def _meminfo_field(root: Path, field: str) -> int:
 
 
 def mem_available_bytes(root: Path = Path("/")) -> int:
-    """MemAvailable: what we plan from. cudaMemGetInfo counts page cache as used on Orin (linux-io §7)."""
+    """MemAvailable: what we plan from. cudaMemGetInfo counts page cache as used on Orin (platform-facts.md §1.7)."""
     return _meminfo_field(root, "MemAvailable")
 
 
@@ -142,7 +142,7 @@ def mem_total_bytes(root: Path = Path("/")) -> int:
 def memlock_limit() -> tuple[int, int]:
     """(soft, hard) RLIMIT_MEMLOCK in bytes; ``resource.RLIM_INFINITY`` means unlimited.
 
-    The 5.10 and 5.15 kernels default to 64 KiB, systemd units to 8 MiB (linux-io §6).
+    The 5.10 and 5.15 kernels default to 64 KiB, systemd units to 8 MiB (docs/platform-facts.md §1.6).
     """
     import resource
 
@@ -167,7 +167,7 @@ def has_cap_ipc_lock(root: Path = Path("/")) -> bool | None:
 # "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: ..."
 _L4T_RELEASE = re.compile(r"^#\s*R(\d+)\s*\(release\)\s*,\s*REVISION:\s*(\d+)(?:\.(\d+))?", re.MULTILINE)
 
-# L4T major -> JetPack major: r35 = JetPack 5, r36 = 6, r38 = 7 (linux-io §1); r34 was the 5.0
+# L4T major -> JetPack major: r35 = JetPack 5, r36 = 6, r38 = 7 (docs/platform-facts.md §1.1); r34 was the 5.0
 # previews and r32 JetPack 4 (jetson-stats' table); r39 is JetPack 7.2, which brings AGX Orin to
 # JetPack 7 [R: vendor docs quoting "JetPack 7.2.1 / L4T r39.2.1"].
 _JETPACK_MAJOR_FOR_L4T_MAJOR = {32: 4, 34: 5, 35: 5, 36: 6, 38: 7, 39: 7}
@@ -193,7 +193,7 @@ _JETPACK_FOR_L4T: dict[L4tVersion, str] = {
 # Module part numbers (P-numbers) -> (family, nominal GB). They are more trustworthy than the model
 # string, which is free text set by the BSP; carrier boards (p3737, p3768) are not listed.
 _MODULES: dict[str, tuple[str, int | None]] = {
-    "p3701-0000": ("AGX Orin", None),  # devkit module: 32 or 64 GB by devkit revision (jetson.md §1)
+    "p3701-0000": ("AGX Orin", None),  # devkit module: 32 or 64 GB by devkit revision (docs/platform-facts.md §3.2)
     "p3701-0004": ("AGX Orin", 32),
     "p3701-0005": ("AGX Orin", 64),
     "p3767-0000": ("Orin NX", 16),

@@ -7,7 +7,7 @@ experts and the dense MLPs of the first layers stay resident. The block itself s
 the shared experts, so the experts we fetch are exactly the ones the model's own router chose.
 
 The processor is `Glm4vProcessor` without its video processor (which needs torchvision, as Qwen's does;
-notes/transformers-vlmoe.md §4.4), with the PIL image processor. GLM has 3-row M-RoPE and no DeepStack.
+docs/platform-facts.md §4.1), with the PIL image processor. GLM has 3-row M-RoPE and no DeepStack.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ class VisualFeatures:
 class PrefillOps(Protocol):
     model_type: str
     supports_compression: bool  # whether engine._compress understands this family's positions and features
+    # whether static_decode.StaticDecoder's layer body (norm, attention, norm, routed experts with no shared
+    # experts or second router) is this family's decoder layer
+    static_decode: bool
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures: ...
 
@@ -84,6 +87,7 @@ class MRopeOps(NoDeepStack):
 
     model_type = ""
     supports_compression = False
+    static_decode = False
 
     def rope_positions(
         self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor

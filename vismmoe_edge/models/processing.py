@@ -36,7 +36,7 @@ def load_processor(model_dir: Path, processor_class: type[ProcessorMixin]) -> Pr
 
 def image_only(processor_class: type[ProcessorMixin], name: str) -> type[ProcessorMixin]:
     """`processor_class` without its video processor, which cannot be resolved without torchvision
-    (notes/transformers-vlmoe.md §4.4). `ProcessorMixin` reads the sub-processor list from `__init__`'s signature,
+    (docs/platform-facts.md §4.1). `ProcessorMixin` reads the sub-processor list from `__init__`'s signature,
     so leaving `video_processor` out of it is what makes construction and `from_pretrained` work."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # type: ignore[no-untyped-def]

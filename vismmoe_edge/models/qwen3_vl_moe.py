@@ -2,8 +2,8 @@
 
 The skeleton is transformers' `Qwen3VLMoeForConditionalGeneration` with parameters on the meta device; each
 MoE layer's `mlp.experts` is swapped for `OffloadedExperts`, so routed experts are never allocated. The
-processor is `Qwen3VLProcessor` without its video processor (which needs torchvision; notes/transformers-vlmoe.md
-§4.4). Qwen adds DeepStack features to the hidden states after the first decoder layers.
+processor is `Qwen3VLProcessor` without its video processor (which needs torchvision;
+platform-facts.md §4.1). Qwen adds DeepStack features to the hidden states after the first decoder layers.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
 
 from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
@@ -58,11 +59,12 @@ def load_qwen3_vl_processor(model_dir: Path) -> ImageOnlyProcessor:
 class Qwen3VLMoeOps(MRopeOps):
     model_type = "qwen3_vl_moe"
     supports_compression = True
+    static_decode = True  # norm, attention, norm, routed experts: StaticDecoder's layer body
 
     def saliency(self, model: Any, grid: torch.Tensor) -> SaliencyCapture:
         from vismmoe_edge.compress.saliency import VisionSaliency
 
-        return VisionSaliency(model.model.visual)
+        return VisionSaliency(model.model.visual, rotary=apply_rotary_pos_emb_vision)
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
         vision = model.model.get_image_features(pixel_values, grid)

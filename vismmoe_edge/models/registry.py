@@ -21,6 +21,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+def register_family(model_type: str, architecture: str, module: str) -> None:
+    """Serve checkpoints of `model_type` (or `architecture`) with `module`'s FAMILY: a family added from outside
+    the package (a plugin, a test) needs nothing else changed."""
+    FAMILIES[model_type] = (architecture, module)
+
+
 def family_of(model_type: str) -> ModelFamily:
     return importlib.import_module(FAMILIES[model_type][1]).FAMILY
 

@@ -9,6 +9,7 @@ from typing import Any
 from vismmoe_edge.checkpoint import TensorInfo
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.config import parse_budget
+from vismmoe_edge.planning.weights import WeightBytes, weight_bytes
 from vismmoe_edge.units import format_bytes
 
 # Resident parts worth naming: always-on shared experts (GLM-4.5V) and the MLPs of dense decoder layers
@@ -48,41 +49,70 @@ def quant_summary(spec: Any) -> dict[str, Any]:
     }
 
 
-def describe_checkpoint(model: Path | CheckpointInfo, memory_budget: str = "100%") -> dict[str, Any]:
-    """Sizes are as stored in the checkpoint (its dtype); the budget is read against the same bytes."""
+def describe_checkpoint(
+    model: Path | CheckpointInfo,
+    memory_budget: str = "100%",
+    *,
+    bits: int | None = None,
+    dense_bits: int | None = None,
+    group_size: int | None = None,
+) -> dict[str, Any]:
+    """Sizes are as stored in the checkpoint (its dtype), or as `quantize --bits/--dense-bits` would write them;
+    the budget is read against the same bytes."""
     info = as_checkpoint_info(model)
     family, config, catalogue = info.family, info.config, info.catalogue
     text = config.text_config
-    layer_bytes = catalogue.layer_bytes(catalogue.moe_layers[0])
-    total = catalogue.total_bytes
+    weights = weight_bytes(info, bits=bits, dense_bits=dense_bits, group_size=group_size)
+    layer_bytes = weights.bytes_per_expert * catalogue.num_experts
+    total = weights.expert_bytes
     resident_tensors = info.resident_tensors
-    resident = sum(info.nbytes for info in resident_tensors.values())
+    resident = weights.resident_bytes
     budget = parse_budget(memory_budget, total)
     fits = [
         {"pinned_layers": n, "pinned_bytes": n * layer_bytes, "cache_bytes": budget - n * layer_bytes}
         for n in range(len(catalogue.moe_layers) + 1)
-        if n * layer_bytes + (catalogue.expert_bytes if n < len(catalogue.moe_layers) else 0) <= budget
+        if n * layer_bytes + (weights.bytes_per_expert if n < len(catalogue.moe_layers) else 0) <= budget
     ]
     return {
         "model_dir": str(info.model_dir),
         "architecture": family.architecture,
         "expert_layout": catalogue.layout,
-        "dtype": catalogue.dtype if catalogue.quant is None else quant_name(catalogue.quant),
+        "dtype": _dtype_name(catalogue, weights, group_size),
         "quantization": None if catalogue.quant is None else quant_summary(catalogue.quant),
         "layers": text.num_hidden_layers,
         "moe_layers": len(catalogue.moe_layers),
         "experts_per_layer": catalogue.num_experts,
         "top_k": text.num_experts_per_tok,
         "shared_experts": family.shared_experts(config),
-        "bytes_per_expert": catalogue.expert_bytes,
+        "bytes_per_expert": weights.bytes_per_expert,
         "expert_bytes_per_layer": layer_bytes,
         "resident_bytes": resident,
+        "parts": weights.as_dict(),
         **resident_parts(resident_tensors),
         "total_expert_bytes": total,
         "memory_budget": memory_budget,
         "memory_budget_bytes": budget,
         "pinned_depths_that_fit": fits,
     }
+
+
+def _dtype_name(catalogue: Any, weights: WeightBytes, group_size: int | None) -> str:
+    if catalogue.quant is not None:
+        return quant_name(catalogue.quant)
+    if weights.planned:
+        return f"int{weights.bits}" + (f"-g{group_size or 128}" if weights.bits == 4 else "") + " (planned)"
+    return catalogue.dtype
+
+
+def format_parts(p: dict[str, Any]) -> list[str]:
+    """One line per part of the non-expert weights, as `info` prints them."""
+    names = [("embedding_bytes", "token embedding"), ("lm_head_bytes", "lm_head"), ("attention_bytes", "attention"),
+             ("mlp_bytes", "dense/shared MLPs"), ("other_language_bytes", "routers, norms"),
+             ("vision_bytes", "vision tower")]  # fmt: skip
+    lines = [f"  {label:<18} {format_bytes(p[key])}" for key, label in names]
+    if p["embedding_on_disk_bytes"]:
+        lines[0] += f" held ({format_bytes(p['embedding_on_disk_bytes'])} read by row from disk)"
+    return lines
 
 
 def format_description(d: dict[str, Any]) -> str:
@@ -100,8 +130,14 @@ def format_description(d: dict[str, Any]) -> str:
             f"quantized      int{q['bits']}, {group}, layout {q['layout']}: {q['bytes_per_expert']:,} B per expert "
             f"= {q['ratio_to_bf16']:.3f}x bf16 (from {q['source']})"
         )
+    p = d["parts"]
+    planned = ""
+    if p["planned"]:
+        dense = f" --dense-bits {p['dense_bits']}" if p["dense_bits"] else ""
+        planned = f", as `quantize --bits {p['bits']}{dense}` would write them"
     lines += [
-        f"resident       {format_bytes(d['resident_bytes'])} of non-expert weights (always in memory)",
+        f"resident       {format_bytes(d['resident_bytes'])} of non-expert weights (always in memory{planned})",
+        *format_parts(p),
     ]
     if d["shared_expert_bytes"] or d["dense_mlp_bytes"]:
         lines.append(

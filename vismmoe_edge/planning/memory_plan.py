@@ -5,9 +5,11 @@ charges (page cache included) counts against one limit. So the planner subtracts
 the smaller of MemAvailable and what the cgroup leaves, before it sizes the pinned prefix and the cache:
 
 - non-expert weights, held once: the language model's (attention, norms, routers, embeddings, lm_head) and the
-  vision tower's, as the checkpoint stores them (their page cache is dropped after loading, loader.py);
+  vision tower's, as the checkpoint stores them or as a planned conversion would (weights.py; their page cache
+  is dropped after loading, loader.py);
 - the KV cache for `context_tokens` positions;
-- prefill activations for `prompt_tokens` tokens (an estimate, [I], below);
+- prefill activations for `prompt_tokens` tokens, or the vision tower's peak over one image where that is larger
+  (an estimate, [I], below);
 - the page cache of reads in flight (buffered reads are dropped right after they land in a slot).
 
 The estimates are upper-bound arithmetic from the config, not measurements; the profile's reserve (C_safe)
@@ -16,16 +18,14 @@ still covers the OS, the CUDA context and allocator slack.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.checkpoint_info import CheckpointInfo
+from vismmoe_edge.planning.weights import WeightBytes, weight_bytes
 
 # The serve daemon's default --max-prompt-tokens (4096) plus a reply: one capacity step of the static decoder.
 DEFAULT_CONTEXT_TOKENS = 4096 + 512
 DEFAULT_PROMPT_TOKENS = 4096
-VISION_KEY = re.compile(r"(^|\.)(visual|vision|vision_model|vision_tower|projector)\.")
 IO_IN_FLIGHT_FETCHES = 4  # the CUDA pipeline's I/O threads, each with at most one expert's buffered read
 
 
@@ -40,6 +40,7 @@ class RuntimeParts:
     io_in_flight_bytes: int
     context_tokens: int
     prompt_tokens: int
+    vision_peak_bytes: int = 0  # of activation_bytes: the vision tower's peak over the largest image, if larger
 
     @property
     def total_bytes(self) -> int:
@@ -55,10 +56,6 @@ class RuntimeParts:
         return asdict(self) | {"total_bytes": self.total_bytes}
 
 
-def vision_weights_bytes(checkpoint: CheckpointInfo) -> int:
-    return sum(i.nbytes for n, i in checkpoint.resident_tensors.items() if VISION_KEY.search(n))
-
-
 def kv_bytes_per_token(checkpoint: CheckpointInfo, itemsize: int) -> int:
     """Keys and values of every decoder layer for one position."""
     text = checkpoint.config.text_config
@@ -67,6 +64,18 @@ def kv_bytes_per_token(checkpoint: CheckpointInfo, itemsize: int) -> int:
     if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA caches the up-projected heads in transformers
         head_dim = int(getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0)) or head_dim
     return int(text.num_hidden_layers) * 2 * heads * head_dim * itemsize
+
+
+def vision_peak_bytes(checkpoint: CheckpointInfo, image_tokens: int, itemsize: int) -> int:
+    """The vision tower's live tensors over `image_tokens` merged tokens of images [I]: 4 patches per token
+    (2 x 2 merge), ~8 hidden-sized tensors and the MLP per patch (attention runs through SDPA's fused kernels,
+    which do not hold the score matrix). Bounded by the images' size, and freed before the language model's
+    prefill, so the plan counts the larger of this and the prefill's activations."""
+    vision = getattr(checkpoint.config, "vision_config", None)
+    if vision is None or not getattr(vision, "hidden_size", None):
+        return 0
+    per_patch = 8 * int(vision.hidden_size) + int(getattr(vision, "intermediate_size", 0) or 0)
+    return 4 * image_tokens * per_patch * itemsize
 
 
 def activation_bytes(checkpoint: CheckpointInfo, tokens: int, itemsize: int) -> int:
@@ -90,20 +99,27 @@ def runtime_parts(
     *,
     device: str,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    prompt_tokens: int | None = None,
+    weights: WeightBytes | None = None,
 ) -> RuntimeParts:
-    """The non-expert parts at the compute dtype `device` gets by default (float16 becomes float32 on the CPU)."""
-    stored = TORCH_DTYPES[checkpoint.catalogue.dtype].itemsize
-    itemsize = 4 if device == "cpu" and checkpoint.catalogue.dtype == "F16" else stored
-    vision = vision_weights_bytes(checkpoint)
-    resident = sum(i.nbytes for i in checkpoint.resident_tensors.values())
+    """The non-expert parts at the compute dtype `device` gets by default (float16 becomes float32 on the CPU).
+    `weights`: the parts' bytes after a planned conversion (weights.weight_bytes); default: as stored.
+    `prompt_tokens` defaults to DEFAULT_PROMPT_TOKENS, or the context when that is shorter."""
+    stored = checkpoint.stored_dtype
+    itemsize = 4 if device == "cpu" and str(stored) == "torch.float16" else stored.itemsize
+    if weights is None:
+        weights = weight_bytes(checkpoint, float_scale=itemsize / stored.itemsize)
+    prompt = min(DEFAULT_PROMPT_TOKENS, context_tokens) if prompt_tokens is None else prompt_tokens
     fetches = IO_IN_FLIGHT_FETCHES if device == "cuda" else 1
+    language = activation_bytes(checkpoint, prompt, itemsize)
+    vision = vision_peak_bytes(checkpoint, prompt, itemsize)
     return RuntimeParts(
-        language_weights_bytes=(resident - vision) * itemsize // stored,
-        vision_weights_bytes=vision * itemsize // stored,
+        language_weights_bytes=weights.language_bytes,
+        vision_weights_bytes=weights.vision_bytes,
         kv_cache_bytes=context_tokens * kv_bytes_per_token(checkpoint, itemsize),
-        activation_bytes=activation_bytes(checkpoint, prompt_tokens, itemsize),
-        io_in_flight_bytes=fetches * checkpoint.catalogue.expert_bytes,
+        activation_bytes=max(language, vision),
+        io_in_flight_bytes=fetches * weights.bytes_per_expert,
         context_tokens=context_tokens,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt,
+        vision_peak_bytes=vision,
     )

@@ -6,6 +6,8 @@ part the process holds (memory_plan.py: non-expert weights R, language and visio
 activations, reads in flight) and keep room for one layer's top-k experts in the cache, so:
 
     M_avail = min(MemAvailable, what the memory cgroup leaves)   (unified memory; free GPU memory on a dGPU)
+              (a Jetson profile planned on another machine: the module's memory less the OS and a camera
+              pipeline, board_memory.py, instead of this machine's MemAvailable)
     M_e   = M_avail - C_safe - R - KV - A - IO         (memory left for expert weights)
     L_max = n                                         if M_e >= n * S_layer (every expert fits)
           = floor((M_e - k * S_e) / S_layer)          otherwise
@@ -14,7 +16,7 @@ activations, reads in flight) and keep room for one layer's top-k experts in the
     depth = min(profile depth, cache // (k * S_e) - 1), 0 when nothing streams
 
 L stays at its semantic minimum because the compressor cuts visual tokens after the pinned prefix
-(notes/architecture.md): a deeper prefix runs more layers on every visual token, and memory given to the
+(README.md, How it works): a deeper prefix runs more layers on every visual token, and memory given to the
 cache instead follows the routing's skew.
 """
 
@@ -25,13 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
+from vismmoe_edge.config import cache_expert_bytes
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
 from vismmoe_edge.hardware.gpu_access import GpuAccess, igpu_tier
 from vismmoe_edge.hardware.profiles import Profile
-from vismmoe_edge.planning.memory_plan import runtime_parts
+from vismmoe_edge.planning.board_memory import BoardMemory, board_memory, on_the_board
+from vismmoe_edge.planning.memory_plan import DEFAULT_CONTEXT_TOKENS, runtime_parts
+from vismmoe_edge.planning.weights import bf16_resident_bytes, weight_bytes
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
@@ -79,6 +86,11 @@ class Plan:
     memory_parts: dict[str, int] = field(default_factory=dict)  # what M_avail is spent on, part by part
     cgroup: str | None = None  # the memory cgroup's limit, when one applies
     gpu: dict[str, Any] | None = None  # the CUDA device's host-memory access facts the tier rests on
+    board: dict[str, Any] | None = None  # planned for a Jetson module off the board: its memory, part by part
+    weights: dict[str, Any] = field(default_factory=dict)  # planning/weights.WeightBytes: each part's bytes
+    resident_bf16_bytes: int = 0  # the non-expert weights at bf16, for comparison
+    total_expert_bytes: int = 0
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
     why: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -86,8 +98,19 @@ class Plan:
     def cache_experts(self) -> int:
         return self.cache_bytes // self.bytes_per_expert if self.bytes_per_expert else 0
 
+    @property
+    def cache_fraction(self) -> float:
+        """The expert cache (pinned prefix not counted) as a share of every expert's bytes."""
+        return self.cache_bytes / self.total_expert_bytes if self.total_expert_bytes else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"cache_experts": self.cache_experts}
+        return dataclasses.asdict(self) | {
+            "cache_experts": self.cache_experts,
+            "cache_fraction": round(self.cache_fraction, 4),
+            "resident_fraction_of_bf16": round(self.resident_bytes / self.resident_bf16_bytes, 4)
+            if self.resident_bf16_bytes
+            else None,
+        }
 
 
 def _gpu_free_bytes() -> int:
@@ -100,13 +123,21 @@ def _gpu_free_bytes() -> int:
 
 
 def _m_avail(
-    profile: Profile, mem_available: int | None, gpu_free: int | None, root: Path, cgroup: CgroupMemory | None
+    profile: Profile,
+    mem_available: int | None,
+    gpu_free: int | None,
+    root: Path,
+    cgroup: CgroupMemory | None,
+    board: BoardMemory | None = None,
 ) -> tuple[int, str]:
     if profile.planner.unified_memory:
         if mem_available is not None:
             available, source = mem_available, "MemAvailable (given)"
+        elif board is not None:
+            available, source = board.available_bytes, board.describe()
         else:
-            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin (linux-io §7).
+            # Unified memory: plan from MemAvailable; cudaMemGetInfo counts page cache as used on Orin
+            # (platform-facts.md §1.7).
             available = system.mem_available_bytes(root)
             source = f"MemAvailable in {root / 'proc/meminfo'} (unified memory)"
         headroom = None if cgroup is None else cgroup.headroom_bytes
@@ -150,25 +181,47 @@ def make_plan(
     profile_reason: str = "",
     gpu: GpuAccess | None = None,
     cgroup: CgroupMemory | None | str = DETECT,
+    bits: int | None = None,
+    dense_bits: int | None = None,
+    group_size: int | None = None,
+    max_context: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
-    (MemAvailable on unified memory, free GPU memory on discrete) or take the profile's value. ``gpu``: the CUDA
-    device experts may be computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read
-    this process's under ``root``; None: ignore cgroups)."""
-    from vismmoe_edge.planning.describe import describe_checkpoint
-
+    (MemAvailable on unified memory, free GPU memory on discrete; a Jetson profile on another machine: the
+    module's memory, board_memory.py) or take the profile's value. ``gpu``: the CUDA device experts may be
+    computed on (None: none). ``cgroup``: the memory cgroup to plan within (DETECT: read this process's under
+    ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
+    `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the
+    compute dtype experts are cached at (None: the checkpoint's), so that the plan counts what the loader's cache
+    holds."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
-    d = describe_checkpoint(checkpoint)
-    n, k, e = d["moe_layers"], d["top_k"], d["experts_per_layer"]
-    s_e, s_layer = d["bytes_per_expert"], d["expert_bytes_per_layer"]
+    n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
     device, tier, tier_why = placement(profile, gpu)
-    parts = runtime_parts(checkpoint, device=device)
+    context = DEFAULT_CONTEXT_TOKENS if max_context is None else max_context
+    if context < 1:
+        raise VismmoeError(f"--max-context {context}: must be at least 1")
+    stored = checkpoint.stored_dtype
+    itemsize = 4 if device == "cpu" and str(stored) == "torch.float16" else stored.itemsize
+    weights = weight_bytes(
+        checkpoint, bits=bits, dense_bits=dense_bits, group_size=group_size, float_scale=itemsize / stored.itemsize
+    )
+    s_e = weights.bytes_per_expert
+    s_layer = e * s_e
+    expert_dtype = _expert_dtype(checkpoint, weights, group_size)
+    if dtype is not None and checkpoint.catalogue.quant is None and bits is None:
+        s_e = cache_expert_bytes(checkpoint.catalogue, dtype)  # the loader caches experts at the compute dtype
+        s_layer, expert_dtype = s_e * e, f"the compute dtype {str(dtype).removeprefix('torch.')}"
+    parts = runtime_parts(checkpoint, device=device, context_tokens=context, weights=weights)
     resident = parts.language_weights_bytes + parts.vision_weights_bytes
     others = parts.total_bytes - resident
+    board = None
+    if profile.planner.unified_memory and mem_available is None and not on_the_board(profile, root):
+        board = board_memory(profile)
     group = read_cgroup_memory(root) if cgroup == DETECT else cgroup
     assert group is None or isinstance(group, CgroupMemory)
-    m_avail, source = _m_avail(profile, mem_available, gpu_free, root, group)
+    m_avail, source = _m_avail(profile, mem_available, gpu_free, root, group, board)
     l_sem_from = "--l-semantic" if l_semantic is not None else f"profile {profile.name}"
     c_safe_from = "--c-safe-gib" if c_safe is not None else f"profile {profile.name}"
     l_sem = profile.planner.l_semantic if l_semantic is None else l_semantic
@@ -178,29 +231,29 @@ def make_plan(
 
     why: list[str] = [f"profile {profile.name}: {profile_reason}"] if profile_reason else []
     warnings: list[str] = []
+    if board is not None:
+        warnings.append(f"planned for the {board.module} (profile {profile.name}), not for this machine")
     m_e = m_avail - c_safe_b - resident - others
     one_layer_topk = k * s_e
     why += [
         f"M_avail = {format_bytes(m_avail)}: {source}",
         f"C_safe = {format_bytes(c_safe_b)} ({c_safe_from}): OS and runtime headroom",
         f"R = {format_bytes(resident)} of non-expert weights held once ({format_bytes(parts.vision_weights_bytes)} "
-        "of them the vision tower; their page cache is dropped after loading): subtracted",
+        "of them the vision tower; their page cache is dropped after loading): subtracted" + _weights_note(weights),
         f"KV = {format_bytes(parts.kv_cache_bytes)} for {parts.context_tokens} positions, A = "
         f"{format_bytes(parts.activation_bytes)} of prefill activations for {parts.prompt_tokens} tokens (an "
-        f"estimate), IO = {format_bytes(parts.io_in_flight_bytes)} of reads in flight: subtracted",
+        f"estimate; the vision tower's peak over as many image tokens is {format_bytes(parts.vision_peak_bytes)}, "
+        f"freed before the prefill), IO = {format_bytes(parts.io_in_flight_bytes)} of reads in flight: subtracted",
         f"M_e = M_avail - C_safe - R - KV - A - IO = {format_bytes(m_e)} for expert weights",
         f"S_layer = {e} experts x {format_bytes(s_e)} = {format_bytes(s_layer)} per MoE layer ({n} MoE layers, "
-        f"top-{k}; sizes at the checkpoint dtype {d['dtype']})",
+        f"top-{k}; sizes at {expert_dtype})",
     ]
     if m_e < one_layer_topk:
-        where = "raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory"
-        # `plan` takes --c-safe-gib; `run` and `serve` take C_safe from the profile only
-        lower_c_safe = "lower --c-safe-gib" if c_safe is not None else "choose a --profile with a smaller c_safe_gib"
         raise VismmoeError(
             f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
             f"{format_bytes(c_safe_b)} - resident weights {format_bytes(resident)} - KV, activations and reads "
             f"{format_bytes(others)}) cannot hold one layer's top-{k} experts ({format_bytes(one_layer_topk)}); "
-            f"{where} or {lower_c_safe}"
+            + _ways_out(weights, source, context, c_safe_given=c_safe is not None)
         )
 
     if m_e >= n * s_layer:
@@ -256,7 +309,7 @@ def make_plan(
             why.append(f"prefetch depth {depth} (profile {profile.name}); {held}")
     why.append(tier_why)
     memory_parts = {
-        **{name: value for name, value in parts.as_dict().items() if name.endswith("_bytes") and name != "total_bytes"},
+        **{n: v for n, v in parts.as_dict().items() if n.endswith("_bytes") and n not in _NOT_SUMMED},
         "pinned_prefix_bytes": pinned * s_layer,
         "cache_bytes": cache,
         "reserve_bytes": c_safe_b,
@@ -284,9 +337,57 @@ def make_plan(
         memory_parts=memory_parts,
         cgroup=None if group is None or group.limit_bytes is None else group.describe(),
         gpu=None if gpu is None else gpu.as_dict(),
+        board=None if board is None else board.as_dict(),
+        weights=weights.as_dict(),
+        resident_bf16_bytes=bf16_resident_bytes(checkpoint),
+        total_expert_bytes=weights.expert_bytes,
+        context_tokens=context,
         why=why,
         warnings=warnings,
     )
+
+
+_NOT_SUMMED = ("total_bytes", "vision_peak_bytes")  # the vision peak is inside the activations (the larger one)
+
+
+def _expert_dtype(checkpoint: CheckpointInfo, weights: Any, group_size: int | None) -> str:
+    from vismmoe_edge.planning.describe import quant_name
+
+    if checkpoint.catalogue.quant is not None:
+        return quant_name(checkpoint.catalogue.quant)
+    if weights.bits is None:
+        return f"the checkpoint dtype {checkpoint.catalogue.dtype}"
+    group = f"-g{group_size or 128}" if weights.bits == 4 else ""
+    return f"int{weights.bits}{group} (planned)"
+
+
+def _weights_note(weights: Any) -> str:
+    parts = (
+        f" (embedding {format_bytes(weights.embedding_bytes)}, lm_head {format_bytes(weights.lm_head_bytes)}, "
+        f"attention {format_bytes(weights.attention_bytes)}, MLPs {format_bytes(weights.mlp_bytes)}, routers and norms "
+        f"{format_bytes(weights.other_language_bytes)})"
+    )
+    if weights.embedding_on_disk_bytes:
+        parts += f"; the {format_bytes(weights.embedding_on_disk_bytes)} token embedding is read by row from disk"
+    if weights.planned:
+        dense = f", dense weights int{weights.dense_bits}, vision tower int8" if weights.dense_bits else ""
+        parts += f"; sizes as `quantize --bits {weights.bits}` would write them{dense}"
+    return parts
+
+
+def _ways_out(weights: Any, source: str, context: int, c_safe_given: bool = True) -> str:
+    """What would make it fit, cheapest first."""
+    ways = []
+    if weights.bits is None:
+        ways.append("quantize the experts (plan with --bits 4 to see)")
+    if weights.dense_bits is None:
+        ways.append("quantize the dense weights too (--dense-bits 4)")
+    if context > 1024:
+        ways.append(f"a shorter --max-context than {context}")
+    ways.append("raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory")
+    # `plan` takes --c-safe-gib; `run` and `serve` take C_safe from the profile only
+    ways.append("lower --c-safe-gib" if c_safe_given else "choose a --profile with a smaller c_safe_gib")
+    return "; ".join(ways[:-1]) + f" or {ways[-1]}"
 
 
 PART_NAMES = {

@@ -77,7 +77,8 @@ def make_predictor(
     if name == "next-layer-gate":
         layers = model.model.language_model.layers  # type: ignore[attr-defined]
         # GLM keeps its routers in fp32 under bf16/fp16; the predictor multiplies them with compute-dtype states
-        dtype = model.lm_head.weight.dtype  # type: ignore[attr-defined]
+        head = getattr(model.lm_head, "weight", None)  # type: ignore[attr-defined]  (None: an int4/int8 lm_head)
+        dtype = head.dtype if head is not None else model.model.language_model.norm.weight.dtype  # type: ignore[attr-defined]
         gates = {i: layers[i].mlp.gate.weight.to(dtype) for i in moe_layers}
         return NextLayerGatePredictor(gates, top_b=2 * context.top_k)
     return PreviousTokenPredictor(moe_layers)

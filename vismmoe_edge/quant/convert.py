@@ -1,7 +1,8 @@
 """`quantize_checkpoint`: a model directory (bf16/fp32, FP8, compressed-tensors W4A16, AWQ) -> our int4/int8 one.
 
-Routed experts become records (record.py: codes, scales and zeros of one expert back to back); every other
-tensor keeps its name and bytes (quantized ones of an FP8/W4A16/AWQ source are dequantized to bf16). Memory
+Routed experts become records (record.py: codes, scales and zeros of one expert back to back); with `dense_bits`
+the model's other linears become int4/int8 matrices too (dense.py); every other tensor keeps its name and bytes
+(quantized ones of an FP8/W4A16/AWQ source are dequantized to bf16). Memory
 stays at one tensor, or one expert, at a time: sources are read through mmap and shards are streamed out.
 The output is built in a hidden directory beside OUT, config.json written last, and renamed into place at the
 end, so an interrupted run leaves nothing at OUT (and nothing with a config.json) that could load as a model.
@@ -30,14 +31,14 @@ from vismmoe_edge.checkpoint import (
     TensorInfo,
 )
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.quant.config import make_config
+from vismmoe_edge.quant import dense
+from vismmoe_edge.quant.config import DEFAULT_INT4_GROUP, QuantConfig, check_dense_bits, make_config, pick_group_size
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.quantize import cat_rows
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert
 from vismmoe_edge.quant.shards import Entry, ShardWriter, parse_size, plan_shards
 from vismmoe_edge.quant.source import SourceCheckpoint
 
-DEFAULT_INT4_GROUP = 128
 DEFAULT_MAX_SHARD = "4GB"
 _WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.gguf|\.h5|\.msgpack|\.index\.json)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -45,6 +46,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 Producer = Callable[[], list[torch.Tensor]]
 # The model family's float catalogue of a source directory's (dense) tensors: which are routed experts and where.
 FloatCatalogue = Callable[[Path, dict[str, TensorInfo]], ExpertCatalogue]
+# The model family's nn.Linear weights of a source directory: name -> (N, K) (routers and routed experts left out).
+LinearWeights = Callable[[Path], dict[str, tuple[int, int]]]
 
 
 @dataclass
@@ -145,6 +148,13 @@ def _plain_unit(source: SourceCheckpoint, name: str) -> Unit:
     return Unit([Entry(name, lt.dtype, lt.shape)], make)
 
 
+def _dense_unit(source: SourceCheckpoint, choice: dense.DenseChoice, layout: str) -> Unit:
+    def make() -> list[torch.Tensor]:
+        return dense.encode(choice, source.read(choice.weight), layout)
+
+    return Unit([Entry(name, dtype, shape) for name, dtype, shape in choice.fields(layout)], make)
+
+
 def _geometry(catalogue) -> tuple[int, int]:
     """(hidden, moe_intermediate) from the first expert's parts as the catalogue found them."""
     parts = {p.kind: (p.shape[::-1] if p.transposed else p.shape) for p in next(iter(catalogue.experts.values())).parts}
@@ -196,15 +206,36 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def _plan(
-    source: SourceCheckpoint, catalogue_of: FloatCatalogue, bits: int, group_size: int | None, layout: str
+    source: SourceCheckpoint,
+    catalogue_of: FloatCatalogue,
+    bits: int,
+    group_size: int | None,
+    layout: str,
+    dense_bits: int | None = None,
+    linears_of: LinearWeights | None = None,
 ) -> tuple[ExpertSpec, list[Unit]]:
     """The quantization spec, checked against the model's geometry, and every output unit in file order."""
     catalogue = catalogue_of(source.directory, _logical_table(source))
     hidden, inter = _geometry(catalogue)
+    if bits == 4 and group_size is None:
+        group_size = pick_group_size(hidden, inter)
     origin = {"quant_method": source.method, "expert_layout": catalogue.layout}
-    spec = ExpertSpec(make_config(bits, group_size, layout, origin), hidden, inter)
+    quant = make_config(bits, group_size, layout, origin)
+    dense_group = DEFAULT_INT4_GROUP  # at most: each matrix takes the largest kernel group dividing its width
+    if dense_bits is not None:
+        quant = QuantConfig(bits, group_size, layout, origin, dense_bits, dense_group if dense_bits == 4 else None)
+    spec = ExpertSpec(quant, hidden, inter)
     spec.check_geometry()
-    units = [_plain_unit(source, n) for n in sorted(source.logical) if n not in catalogue.tensor_names]
+    linears = linears_of(source.directory) if dense_bits is not None and linears_of is not None else {}
+    units = []
+    for n in sorted(source.logical):
+        if n in catalogue.tensor_names:
+            continue
+        if n in linears and tuple(source.logical[n].shape) == linears[n]:
+            assert dense_bits is not None and dense_group is not None
+            units.append(_dense_unit(source, dense.choose(n, *linears[n], dense_bits, dense_group), layout))
+        else:
+            units.append(_plain_unit(source, n))
     if catalogue.layout == "per_expert":
         readers = _per_expert_readers(source, catalogue.tensor_names, spec)
     else:
@@ -237,25 +268,32 @@ def quantize_checkpoint(
     catalogue_of: FloatCatalogue,
     layout: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    dense_bits: int | None = None,
+    linears_of: LinearWeights | None = None,
 ) -> Path:
     """Write an int4 (group-wise, default g128) or int8 (per-channel) copy of the checkpoint at `src` to `out`;
     `catalogue_of` is the model family's (vismmoe_edge.conversion passes it).
 
-    `group_size` is for int4 only (default 128; it must divide hidden_size and moe_intermediate_size). `layout`:
+    `group_size` is for int4 only; it must divide hidden_size and moe_intermediate_size (None: 128 or, where
+    that does not divide both, the group config.pick_group_size finds). `layout`:
     "auto" picks this CPU's kernel tiles (packing.CPU_LAYOUTS); name another one to convert for a different
-    board (e.g. cpu_b16_pairs for a Jetson), or "rowmajor" for a CPU-neutral file. Returns `out`.
+    board (e.g. cpu_b16_pairs for a Jetson), or "rowmajor" for a CPU-neutral file. `dense_bits` (4 or 8):
+    also quantize the linears `linears_of` names (attention, lm_head, dense MLPs at `dense_bits`, the vision tower
+    at int8; dense.py), int4 in the experts' layout, groups of at most 128. Returns `out`.
     """
     src, out = Path(src).expanduser(), Path(out).expanduser().absolute()
     _check_out(out)
-    if bits == 4 and group_size is None:
-        group_size = DEFAULT_INT4_GROUP
     layout = resolve_layout(bits, layout)
-    make_config(bits, group_size, layout)  # argument errors before any reading
+    checked_group = DEFAULT_INT4_GROUP if bits == 4 and group_size is None else group_size
+    make_config(bits, checked_group, layout)  # argument errors before any reading
+    check_dense_bits(dense_bits, DEFAULT_INT4_GROUP)
+    if dense_bits is not None and linears_of is None:
+        raise ValueError("dense_bits needs linears_of, the model family's linear weights")
     max_shard_bytes = parse_size(max_shard_size)
     source = SourceCheckpoint(src)
     tmp: Path | None = None
     try:
-        spec, units = _plan(source, catalogue_of, bits, group_size, layout)
+        spec, units = _plan(source, catalogue_of, bits, group_size, layout, dense_bits, linears_of)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         _write(tmp, units, max_shard_bytes, progress)

@@ -1,7 +1,8 @@
 """`dequantize_checkpoint`: a quantized directory of ours back to a plain float checkpoint that transformers loads.
 
 Every expert becomes exactly what `kernels.dequantize_expert` makes of its record (W = (code - 8) * scale + zero,
-or q * scale), in `dtype`; every other tensor keeps its bytes. That is the reference the fidelity tests and
+or q * scale), in `dtype`, and so does every quantized dense linear (`X.qweight` + scales -> `X.weight`,
+quant/dense.py); every other tensor keeps its bytes. That is the reference the fidelity tests and
 `eval` hold the quantized engine to: the same file, dequantized, run by transformers' own model. A family whose
 transformers class loads fused experts gets them fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, what
 transformers 5 saves), the others one tensor per projection and expert, as their checkpoints ship. Memory: one
@@ -20,7 +21,9 @@ import torch
 from vismmoe_edge.checkpoint import DTYPE_NAMES, TensorInfo, read_tensor_table
 from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.quant.catalogue import RECORD_KEY, QuantizedCatalogue
+from vismmoe_edge.quant.config import parse_quant_config
 from vismmoe_edge.quant.convert import Unit, _check_out, _copy_extra_files, _write, _write_json
+from vismmoe_edge.quant.dense import dequantized_weight, stored_matrices
 from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
 from vismmoe_edge.quant.reader import PreadFiles
 from vismmoe_edge.quant.shards import Entry
@@ -85,7 +88,10 @@ def dequantize_checkpoint(
     _check_out(out)
     raw_config = read_config_json(src)
     table = read_tensor_table(src)
-    plain = {n: i for n, i in table.items() if n not in catalogue.tensor_names}
+    layout = parse_quant_config(raw_config["quantization_config"], str(src / "config.json")).layout
+    choices = stored_matrices(table, layout)
+    quantized = {name for c in choices.values() for name, _, _ in c.fields(layout)}
+    plain = {n: i for n, i in table.items() if n not in catalogue.tensor_names and n not in quantized}
     if dtype is None:
         floats = [i for i in plain.values() if i.torch_dtype.is_floating_point]
         biggest = max(floats, key=lambda i: i.nbytes, default=None)
@@ -95,7 +101,14 @@ def dequantize_checkpoint(
     def copy_unit(info: TensorInfo) -> Unit:
         return Unit([Entry(info.name, info.dtype, info.shape)], lambda: [files.read(info)])
 
+    def dense_unit(choice) -> Unit:
+        def make() -> list[torch.Tensor]:
+            return [dequantized_weight(lambda n: files.read(table[n]), choice, layout, dtype).contiguous()]
+
+        return Unit([Entry(choice.weight, DTYPE_NAMES[dtype], (choice.n, choice.k))], make)
+
     units = [copy_unit(info) for _, info in sorted(plain.items())]
+    units += [dense_unit(choice) for _, choice in sorted(choices.items())]
     units += _expert_units(files, catalogue, fused, dtype)
     units.sort(key=lambda u: u.sort_key)
     out.parent.mkdir(parents=True, exist_ok=True)

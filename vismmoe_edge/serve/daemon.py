@@ -48,6 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("vismmoe_edge.serve")
 
 
+def _load_options() -> LoadOptions:
+    from vismmoe_edge.options import LoadOptions
+
+    return LoadOptions()
+
+
 @dataclass
 class ServeOptions:
     model: Path | None = None
@@ -56,17 +62,7 @@ class ServeOptions:
     port: int = 8000
     unix_socket: Path | None = None
     socket_mode: int = 0o660  # the Unix socket's permissions, set by the daemon (not left to the umask)
-    memory_budget: str = "auto"  # auto, and pinned_layers None, and tier auto: the planner's
-    pinned_layers: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    tier: str = "auto"
-    predictor: str = "auto"
-    policy: str = "popularity"
-    host_tier: str = "auto"
-    compression: tuple[str, float, float, float] | None = None  # CompressionConfig's fields (it imports torch)
-    profile: str = "auto"
-    prefetch_depth: int | None = None
+    load: LoadOptions = field(default_factory=_load_options)  # what `run` takes; "auto": the planner's
     image_dirs: tuple[Path, ...] = ()  # local image paths are served from these only; none: local paths are off
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
     api_key: str | None = None  # bearer token required on /v1/ when set
@@ -128,23 +124,7 @@ class Service:
         self.state = "ok"
 
     def load_options(self) -> LoadOptions:
-        from vismmoe_edge.compress.prune import CompressionConfig
-        from vismmoe_edge.options import LoadOptions
-
-        o = self.options
-        return LoadOptions(
-            memory_budget=o.memory_budget,
-            pinned_layers=o.pinned_layers,
-            tier=o.tier,
-            device=o.device,
-            dtype=o.dtype,
-            predictor=o.predictor,
-            policy=o.policy,
-            profile=o.profile,
-            prefetch_depth=o.prefetch_depth,
-            host_tier=o.host_tier,
-            compression=CompressionConfig(*o.compression) if o.compression is not None else None,
-        )
+        return self.options.load
 
     def resolve(self, checkpoint: Any, replan: bool) -> ResolvedOptions:
         """The options with the planner's choices filled in, as `vismmoe-edge run` resolves them. On a re-plan
@@ -159,7 +139,7 @@ class Service:
                 log.warning("plan: %s", warning)
             log.info("%s", resolved.note)
         self.settings = {
-            "memory_budget": resolved.memory_budget,
+            "memory_budget": resolved.memory_budget_bytes,
             "pinned_layers": resolved.pinned_layers,
             "tier": resolved.tier,
             "prefetch_depth": resolved.prefetch_depth,
@@ -364,15 +344,12 @@ def visual_token_estimator(processor: Any) -> Any:
     return estimate
 
 
-class Terminate(BaseException):
-    """Raised by SIGTERM while the model loads: a load cannot be drained, only abandoned."""
-
-
 class Signals:
     """Signal handlers only set flags: the main loop acts on them (no locks taken inside a handler)."""
 
     def __init__(self, service: Service | None) -> None:
         self.service = service
+        self.httpd: TCPServer | UnixServer | None = None
         self.terminate = False
         self.reload = False
 
@@ -387,7 +364,21 @@ class Signals:
             worker.cancel_all.set()  # a second SIGTERM/SIGINT: cancel now instead of after --drain-timeout
         self.terminate = True
         if self.service is None or self.service.state == "loading":
-            raise Terminate()
+            self.abandon_start()
+
+    def abandon_start(self) -> None:
+        """A load cannot be drained, only abandoned: exit 0 here, from the handler. An exception raised instead
+        lands anywhere in the load, inside an extension's import too, where torch aborts (134) and transformers
+        turns it into an ImportError (1). Loading in a thread instead would move torch's OpenMP pool to a thread
+        that exits, and later decode runs 30x slower on a small CPU."""
+        if self.service is not None:
+            self.service.state = "stopped"
+        log.info("terminated while loading")
+        sdnotify.stopping()
+        if self.httpd is not None:
+            self.httpd.server_close()  # the Unix socket's file goes with it; the HTTP thread dies with the process
+        logging.shutdown()
+        os._exit(0)
 
     def on_hangup(self, signum: int, frame: object) -> None:
         self.reload = True
@@ -402,17 +393,10 @@ def serve(options: ServeOptions) -> int:
     use_mmap_for_large_allocations()
     try:
         service = signals.service = Service(options)
-        httpd = start_http(options, service)
+        httpd = signals.httpd = start_http(options, service)
         sdnotify.extend_timeout(int(options.load_timeout_s * 1e6))
         sdnotify.status("loading the model")
         service.load()
-    except Terminate:
-        if service is not None:
-            service.state = "stopped"  # a second signal must not raise Terminate again
-        log.info("terminated while loading")
-        sdnotify.stopping()
-        stop_http(httpd)
-        return 0
     except VismmoeError as e:  # a bad model path, option, profile or address: restarting cannot fix it
         if service is not None:
             service.state = "stopped"

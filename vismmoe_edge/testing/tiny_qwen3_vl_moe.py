@@ -138,7 +138,7 @@ def tiny_config(
 ) -> Qwen3VLMoeConfig:
     """A ~3 M-parameter Qwen3-VL-MoE config with the special ids of `tokenizer` (default: the offline one)."""
     if hidden in (moe_intermediate, 2 * moe_intermediate):
-        # The hub and v5 expert layouts are indistinguishable by shape then (notes §3.1).
+        # The hub and v5 expert layouts are indistinguishable by shape then (docs/platform-facts.md §4.3).
         raise ValueError(f"hidden={hidden} must differ from moe_intermediate and 2*moe_intermediate")
     tok = tokenizer if tokenizer is not None else build_offline_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}

@@ -9,7 +9,8 @@ is unsupported (attribute 99 = 0), cudaHostAlloc gives the memory instead. Witho
 plain anonymous memory: the same slot-filling code runs on the CPU, in tests and on CPU-only hosts.
 
 Views: `cpu_view` (a torch tensor over the mapping) and `device_view` (a CUDA tensor at the device address, made
-through `__cuda_array_interface__`; measured on the H200 to keep the pointer and compute correctly, anchors.md).
+through `__cuda_array_interface__`; measured on the H200 to keep the pointer and compute correctly:
+tools/device/igpu_checks.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class DeviceArray:
 class HostMemory:
     """`nbytes` (rounded up to pages) of zeroed host memory; `address` is its first byte on the CPU."""
 
-    def __init__(self, nbytes: int, *, runtime: cudart.CudaRuntime | None = None, device_index: int = 0) -> None:
+    def __init__(self, nbytes: int, *, runtime: cudart.Runtime | None = None, device_index: int = 0) -> None:
         self.nbytes = max(PAGE_SIZE, nbytes + (-nbytes) % PAGE_SIZE)
         self.runtime = runtime
         self.device_index = device_index

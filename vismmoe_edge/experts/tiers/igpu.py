@@ -15,7 +15,7 @@ from vismmoe_edge.hardware import cudart
 from vismmoe_edge.hardware.gpu_access import GpuAccess, probe
 
 
-def cuda_access(name: str, store: ExpertStore) -> tuple[cudart.CudaRuntime, GpuAccess]:
+def cuda_access(name: str, store: ExpertStore) -> tuple[cudart.Runtime, GpuAccess]:
     """The bound CUDA runtime and what the device can read of host memory; one line where slots cannot serve."""
     torch.cuda.init()  # so that the libcudart torch loaded is mapped, and bound, before ours
     index = store.device.index if store.device.index is not None else torch.cuda.current_device()

@@ -5,12 +5,12 @@ A fetch (demand, or a prediction the pipeline queued) hints the expert's byte ra
 MADV_WILLNEED and waits for them (mincore, then a pread of any page the hint left out; a pread pool where mincore
 would lie), then pins them for the GPU with cudaHostRegister(READ_ONLY). An eviction waits on the slot's `freed`
 event, unregisters, and drops the pages (MADV_DONTNEED + POSIX_FADV_DONTNEED): registered pages cannot be
-dropped (linux-io.md §10.2), unregistered ones can.
+dropped (docs/platform-facts.md §2.2), unregistered ones can.
 
 Only MAP_SHARED + PROT_READ + READ_ONLY avoids an anonymous copy of every page (a MAP_PRIVATE mapping is
-COW-copied when pinned, and READ_ONLY on it hung: §10.4); pagecache.MappedFile maps exactly that. Where the
-device refuses (attribute 99 or 113 = 0, pre-Orin boards, a kernel that forbids the pin) the factory
-(`make`, below) falls back to the slot tier with one line.
+COW-copied when pinned, and READ_ONLY on it hung: platform-facts.md §2.2); pagecache.MappedFile maps exactly that.
+Where the device refuses (attribute 99 or 113 = 0, pre-Orin boards, a kernel that forbids the pin) the
+factory (`make`, below) falls back to the slot tier with one line.
 
 cudaHostRegister refuses overlapping ranges, and two experts' byte ranges often share a page. So a part's page
 span is registered as up to three segments, its first page, its interior and its last page, reference-counted:
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
+from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, ExpertPart, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
-from vismmoe_edge.experts.pipeline import Tier
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.pipeline import Tier, TierDefaults
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.experts.tiers.host_memory import DeviceArray
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
@@ -66,7 +65,7 @@ class SegmentRegistry:
     """Reference-counted READ_ONLY registrations of segments; a segment is registered once, however many parts
     hold it, and unregistered when the last lets go."""
 
-    def __init__(self, runtime: cudart.CudaRuntime, address_of: dict[Path, int]) -> None:
+    def __init__(self, runtime: cudart.Runtime, address_of: dict[Path, int]) -> None:
         self.runtime = runtime
         self.address_of = address_of  # shard -> base address of its mapping
         self.counts: dict[Segment, int] = {}
@@ -120,11 +119,11 @@ class SegmentRegistry:
         return freed
 
 
-class UnifiedRegisteredTier:
+class UnifiedRegisteredTier(TierDefaults):
     name = "unified-registered"
 
     def __init__(
-        self, store: ExpertStore, slots: int, *, runtime: cudart.CudaRuntime, pinned: int = 0, threads: int = 8
+        self, store: ExpertStore, slots: int, *, runtime: cudart.Runtime, pinned: int = 0, threads: int = 8
     ) -> None:
         self.shards = MappedShards(store, random_access=True)  # MAP_SHARED, PROT_READ; refuses a dtype change
         drop_whole_files(self.shards.files)  # the header reads' readahead: large folios and readahead marks
@@ -219,9 +218,13 @@ class UnifiedRegisteredTier:
             mf = self.shards.files[shard]
             pagecache.release(mf, [(offset, min(length, mf.size - offset))], "dontneed")
 
-    def drop_page_cache(self, shards: Iterable[Path]) -> None:
-        """After loading: what loading left in the page cache goes; registered pages (the prefix) stay."""
-        drop_whole_files(shards)
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        """Nothing of the shards is read through the page cache any more: close the loader's mappings (mapped
+        pages cannot be dropped) and drop the files' pages; registered pages (a registered prefix) stay."""
+        files.close()
+        drop_whole_files({t.shard for t in table.values()})
 
     def close(self) -> None:
         for slot in list(self._held):
@@ -237,7 +240,8 @@ class UnifiedRegisteredTier:
 
 def mapping_anonymous_bytes(path: Path, smaps: str | None = None) -> int | None:
     """`Anonymous:` bytes of this process's mappings of `path` (/proc/self/smaps): the private copies a pin of a
-    MAP_PRIVATE mapping makes (§10.4); 0 for what this tier registers. None when `path` is not mapped."""
+    MAP_PRIVATE mapping makes (platform-facts.md §2.2); 0 for what this tier registers. None when `path` is not
+    mapped."""
     text = Path("/proc/self/smaps").read_text() if smaps is None else smaps
     target, total, inside = str(Path(path).resolve()), None, False
     for line in text.splitlines():

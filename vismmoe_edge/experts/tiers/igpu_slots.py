@@ -1,7 +1,7 @@
 """Expert slots in pinned, GPU-mapped host memory, filled by exact-range reads and read in place by the GPU.
 
 For a Jetson Orin: the iGPU shares the DRAM with the CPU and the page cache, cannot read pageable or mmapped
-memory, and has no GPUDirect Storage (notes/linux-io.md §10-11). So the slot pool (one `[slots, 2I, H]` and one
+memory, and has no GPUDirect Storage (docs/platform-facts.md §2-§3.1). So the slot pool (one `[slots, 2I, H]` and one
 `[slots, H, I]` tensor, pinned prefix included, as slots.py lays it out for experts/pool_compute.py) lives in
 host memory registered with CUDA (host_memory.py), and its tensors are CUDA views of that memory: the batched
 expert kernels read the slots where the reads left them. A miss is a pread (O_DIRECT where aligned) of the
@@ -21,14 +21,13 @@ the GPU may still read). Without CUDA (device cpu) the same code fills plain ano
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
-from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertPart
+from vismmoe_edge.checkpoint import DTYPE_NAMES, ExpertCatalogue, ExpertPart, TensorInfo
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.pipeline import TierDefaults
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.experts.tiers.host_memory import HostMemory
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
@@ -48,7 +47,7 @@ def _gate_up_layout(parts: tuple[ExpertPart, ...]) -> tuple[tuple[int, int], boo
     return (gate.shape[0] + up.shape[0], gate.shape[1]), False
 
 
-class UnifiedSlotTier:
+class UnifiedSlotTier(TierDefaults):
     name = "unified-slots"
 
     def __init__(
@@ -57,7 +56,7 @@ class UnifiedSlotTier:
         slots: int,
         *,
         pinned: int = 0,
-        runtime: cudart.CudaRuntime | None = None,
+        runtime: cudart.Runtime | None = None,
         direct: bool = True,
         reader: Reader = default_reader,
     ) -> None:
@@ -156,9 +155,13 @@ class UnifiedSlotTier:
     def release(self, key: ExpertKey, slot: int) -> None:
         """Nothing to free: the next fetch overwrites the slot once `freed` says the GPU is done with it."""
 
-    def drop_page_cache(self, shards: Iterable[Path]) -> None:
-        """After loading: nothing of the shards is read through the page cache any more, so all of it goes."""
-        drop_whole_files(shards)
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        """Nothing of the shards is read through the page cache any more: close the loader's mappings (mapped
+        pages cannot be dropped) and drop the files' pages; registered pages (a registered prefix) stay."""
+        files.close()
+        drop_whole_files({t.shard for t in table.values()})
 
     def close(self) -> None:
         self.filler.close()

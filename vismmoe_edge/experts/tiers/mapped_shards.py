@@ -6,16 +6,17 @@ holds it; `unified.py`, `mmap.py` and `igpu_registered.py` share it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from vismmoe_edge.checkpoint import DTYPE_NAMES, TORCH_DTYPES, ExpertPart
+from vismmoe_edge.checkpoint import DTYPE_NAMES, TORCH_DTYPES, ExpertCatalogue, ExpertPart, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_views
 from vismmoe_edge.quant.record import RECORD_PART
 
@@ -76,3 +77,26 @@ class MappedShards:
         else:
             gate_up = torch.cat([self.view(gate), self.view(up)])
         return ExpertWeights(gate_up=gate_up, down=self.view(parts["down"]))
+
+
+def drop_unneeded_pages(
+    files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned: set[int]
+) -> None:
+    """Give back the page cache that loading filled: the non-expert weights now live in our own memory, and
+    fault read-around pulled in streamed experts nobody asked for. Unified memory counts page cache against
+    the same DRAM, and a cgroup counts it against the process."""
+    files.close()  # unmapped pages are the only ones POSIX_FADV_DONTNEED can drop
+    ranges = [(i.shard, i.offset, i.nbytes) for n, i in table.items() if n not in catalogue.tensor_names]
+    for loc in catalogue.experts.values():
+        if loc.layer not in pinned:
+            ranges += [(p.shard, p.offset, p.nbytes) for p in loc.parts]
+    fds: dict[Path, int] = {}
+    try:
+        for shard, offset, nbytes in ranges:
+            fd = fds.get(shard)
+            if fd is None:
+                fd = fds[shard] = os.open(shard, os.O_RDONLY)
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        for fd in fds.values():
+            os.close(fd)

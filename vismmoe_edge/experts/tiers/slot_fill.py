@@ -3,7 +3,7 @@
 Each range goes to its destination address in one of two ways:
 - O_DIRECT, where the file system allows it (statx STATX_DIOALIGN, Linux 6.1+; else the device's logical block
   size) and the destination lines up with the file offset: the aligned interior of the range moves disk -> slot
-  by DMA, with no copy by the CPU and no page cache (JetPack has no GPUDirect Storage: linux-io.md §11);
+  by DMA, with no copy by the CPU and no page cache (JetPack has no GPUDirect Storage: docs/platform-facts.md §3.1);
 - buffered pread otherwise (and for the unaligned head and tail): the kernel copies each byte once from the page
   cache into the slot.
 Either way the ranges' whole pages are then dropped (POSIX_FADV_DONTNEED on the page span: fadvise keeps partial

@@ -9,7 +9,7 @@ one DMA into the slot on a copy stream, with one event per slot that compute wai
 - else a pinned staging buffer that the page-cache pread pool (native threads) fills from the shard: two per
   I/O thread, so that one fills while the other's DMA runs.
 Parts stored transposed (the hub layout) or in another dtype arrive in a GPU scratch buffer and are transposed
-or converted there. Mmapped shards are never registered with CUDA (linux-io.md §10: MAP_PRIVATE mappings get
+or converted there. Mmapped shards are never registered with CUDA (docs/platform-facts.md §2: MAP_PRIVATE mappings get
 copied, pinned or hang).
 """
 
@@ -21,13 +21,14 @@ import torch
 
 from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertPart
 from vismmoe_edge.experts import pagecache
+from vismmoe_edge.experts.pipeline import TierDefaults
 from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
 from vismmoe_edge.experts.tiers.host_mirror import HostMirror
 
 ExpertKey = tuple[int, int]
 
 
-class SlotPoolTier:
+class SlotPoolTier(TierDefaults):
     def __init__(
         self,
         store: ExpertStore,

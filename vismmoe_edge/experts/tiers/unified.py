@@ -8,16 +8,17 @@ kernel reclaimed meanwhile is read back. Compute reads the experts where they ar
 
 from __future__ import annotations
 
+from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts import pagecache
-from vismmoe_edge.experts.pipeline import Tier
-from vismmoe_edge.experts.store import ExpertStore, ExpertWeights
-from vismmoe_edge.experts.tiers.mapped_shards import MappedShards
+from vismmoe_edge.experts.pipeline import Tier, TierDefaults
+from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
+from vismmoe_edge.experts.tiers.mapped_shards import MappedShards, drop_unneeded_pages
 
 ExpertKey = tuple[int, int]
 
 
-class UnifiedTier:
+class UnifiedTier(TierDefaults):
     """Explicitly managed page cache: exact-range reads in, exact-range drops out, residency checked."""
 
     name = "unified"
@@ -58,6 +59,11 @@ class UnifiedTier:
     def release(self, key: ExpertKey, slot: int) -> None:
         for shard, ranges in self.shards.ranges(key).items():
             pagecache.release(self.shards.files[shard], ranges, "auto")
+
+    def after_load(
+        self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
+    ) -> None:
+        drop_unneeded_pages(files, table, catalogue, pinned_layers)
 
     def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], pagecache.LockReport]:
         """Read the pinned prefix in and mlock it (within RLIMIT_MEMLOCK); views stay zero-copy."""

@@ -1,0 +1,41 @@
+"""The CUDA-graph capture stream is never a stream an I/O thread copies on (the `invalid argument` crash of
+SlotPoolTier.ready): a static check that runs without a GPU.
+
+torch gives out low-priority streams round-robin from a pool of 32, so any two `torch.cuda.Stream()` calls may be
+the same CUDA stream. The decoder captures on one stream from the high-priority pool (static_decode.capture_stream);
+this holds only while no other stream in the package is high-priority and every capture names that stream.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import vismmoe_edge
+
+PACKAGE = Path(vismmoe_edge.__file__).parent
+
+
+def _calls(name: str) -> list[tuple[Path, ast.Call]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == name:
+                found.append((path, node))
+    return found
+
+
+def test_only_the_capture_stream_is_high_priority() -> None:
+    streams = _calls("torch.cuda.Stream")
+    assert streams, "the scan found no stream at all: it is not looking at the package"
+    high = [(p.name, n.lineno) for p, n in streams if any(k.arg == "priority" for k in n.keywords) or len(n.args) > 1]
+    assert high == [("static_decode.py", next(n.lineno for p, n in streams if p.name == "static_decode.py"))], high
+
+
+def test_every_capture_names_the_capture_stream() -> None:
+    captures = _calls("torch.cuda.graph")
+    assert captures
+    for path, node in captures:
+        stream = [k.value for k in node.keywords if k.arg == "stream"]
+        assert stream and ast.unparse(stream[0]) == "side", f"{path.name}:{node.lineno} captures on another stream"
+        assert path.name == "static_decode.py"

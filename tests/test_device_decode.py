@@ -1,0 +1,261 @@
+"""The whole decode token on the device (StaticDecoder.token_step): routing read through the expert table, the
+next token chosen by the device sampler. Run eagerly on the CPU here, exactly against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3VLMoeForConditionalGeneration
+
+import vismmoe_edge
+from tests.hf_reference import NEW_TOKENS, Reference, hf_references
+from vismmoe_edge.device_sampling import DeviceSampler
+from vismmoe_edge.experts.pool_compute import decode_experts
+from vismmoe_edge.experts.table import ABSENT
+from vismmoe_edge.kernels import moe_decode as md
+from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
+from vismmoe_edge.prompt import encode_prompt, load_image
+from vismmoe_edge.sampling import SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path], images: list[Path]) -> dict[str, Reference]:
+    model_dir = checkpoints["v5"]
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
+    processor = load_processor(model_dir)
+    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
+                         images)  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+def test_device_token_matches_transformers(checkpoints, references, budget: str) -> None:
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget=budget, pinned_layers=1, device="cpu", tier="host")
+    engine.static_decode = "on"
+    engine.device_decode = "on"
+    assert engine.uses_static_decode() and engine.uses_device_decode()
+    for name, ref in references.items():
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
+    (decoder,) = engine._decoders.values()
+    assert decoder.on_device
+    assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
+    tokens = len(references) * (NEW_TOKENS - 1)
+    pipeline = engine.experts.pipeline
+    if budget == "25%":  # misses: tokens redone through the per-layer path, and still transformers' tokens
+        assert 0 < decoder.redone <= tokens
+    else:  # the first tokens fetch what the table lacks; once everything is in, no token is redone
+        assert decoder.redone < tokens
+        assert decoder.table.version == pipeline.residency_version  # the last token read a current table
+    decoder.table.sync(pipeline)
+    resident = pipeline.resident_slots()
+    assert int((decoder.table.slots >= 0).sum()) == len(resident) > 0
+    assert all(int(decoder.table.slots[layer, expert]) == slot for (layer, expert), slot in resident.items())
+
+
+def test_device_decode_is_off_where_something_watches_the_routing(checkpoints) -> None:
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", device="cpu", tier="host",
+                               predictor="previous-token")  # fmt: skip
+    engine.device_decode = "on"
+    assert not engine.uses_device_decode()  # the predictor needs each layer's routing as it happens
+    plain = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu", tier="host")
+    assert not plain.uses_device_decode()  # "auto" on the CPU: the host path
+
+
+def _pool(slots: int = 5, inter: int = 8, hidden: int = 16, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+
+    class Pool:
+        gate_up = torch.randn(slots, 2 * inter, hidden, generator=g, dtype=dtype)
+        down = torch.randn(slots, hidden, inter, generator=g, dtype=dtype)
+
+    return Pool, torch.randn(1, hidden, generator=g, dtype=dtype)
+
+
+def test_moe_decode_reads_the_table_and_flags_absent_experts() -> None:
+    pool, x = _pool()
+    table = torch.full((10,), ABSENT, dtype=torch.int32)
+    table[[3, 7, 9]] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    index, weights = torch.tensor([[7, 3]]), torch.tensor([[0.25, 0.75]])
+    out, missed = md.moe_decode(x, index, weights, table, pool, F.silu)
+    assert not bool(missed)
+    expect = decode_experts(x, torch.tensor([[0, 4]]), weights, pool.gate_up, pool.down, F.silu)
+    assert torch.equal(out, expect)  # the same computation as the per-layer path: exact
+    _, missed = md.moe_decode(x, torch.tensor([[7, 5]]), weights, table, pool, F.silu)
+    assert bool(missed)  # expert 5 is in no slot
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_fused_gemv_matches_the_torch_path_in_the_interpreter() -> None:
+    pool, x = _pool(slots=4, inter=24, hidden=40, dtype=torch.bfloat16)  # shapes that leave partial blocks
+    slots, weights = torch.tensor([[3, 1]]), torch.tensor([[0.6, 0.4]])
+    assert md.use_triton(pool.gate_up)
+    fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, F.silu).float()
+    ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), F.silu)
+    assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_device_sampler_greedy_masks_stop_tokens_until_min_new_tokens() -> None:
+    sampler = DeviceSampler(5, torch.device("cpu"))
+    sampler.set_stops([4])
+    logits = torch.tensor([0.0, 1.0, 3.0, 0.5, 9.0])
+    sampler.configure(SamplingConfig(min_new_tokens=2), produced=1)
+    sampler.choose(logits)
+    assert int(sampler.token) == 2  # the stop token 4 is masked while fewer than 2 tokens exist
+    sampler.configure(SamplingConfig(min_new_tokens=2), produced=2)
+    sampler.choose(logits)
+    assert int(sampler.token) == 4
+    sampler.configure(SamplingConfig(temperature=1e-9), produced=2)  # a tiny temperature is greedy, not inf
+    assert not sampler.sampling
+    sampler.choose(logits)
+    assert int(sampler.token) == 4
+
+
+def test_device_sampler_draws_from_the_nucleus_in_proportion() -> None:
+    sampler = DeviceSampler(4, torch.device("cpu"))
+    sampler.seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=0.8), produced=1)  # nucleus: tokens 0 and 1
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        sampler.choose(probs.log())
+        counts[int(sampler.token)] += 1
+    assert counts[2] == 0 and counts[3] == 0
+    share = counts[0] / counts[:2].sum()
+    assert abs(share - 0.5 / 0.8) < 0.04  # 0.625, four standard errors ~ 0.043
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=1e-9), produced=1)  # the top token always survives
+    sampler.choose(probs.log())
+    assert int(sampler.token) == 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/device/decode_checks.sh checks runs it)"
+)
+@pytest.mark.parametrize("budget,mode", [("100%", "auto"), ("25%", "on")])
+def test_cuda_device_token_matches_transformers(tmp_path: Path, images: list[Path], budget: str, mode: str) -> None:
+    """One graph per token on the GPU, float32 (the torch path of the table-read decode): transformers' tokens
+    and logits within 1e-4; bf16 is decode_checks.py's, under the near-tie rule."""
+    from tests.hf_reference import PROMPTS, hf_kwargs
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=torch.float32, layout="hub", num_layers=8)
+    engine = vismmoe_edge.load(model_dir, memory_budget=budget, pinned_layers=1, device="cuda", host_tier=True)
+    engine.device_decode = mode
+    assert engine.uses_device_decode()
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").to("cuda")
+    for prompt, n_images in PROMPTS.values():
+        inputs = engine.encode(prompt, images[:n_images])
+        kwargs = {k: v.to("cuda") for k, v in hf_kwargs(inputs).items()}
+        with torch.no_grad():
+            out = ref.eval().generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                      do_sample=False)  # fmt: skip
+        ref.model.rope_deltas = None
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert engine.generate_from_inputs(inputs, sampling).token_ids == out[0, inputs.num_tokens :].tolist(), prompt
+    decoders = [d for d in engine._decoders.values() if d.on_device]
+    assert decoders and all(d.graphs for d in decoders)
+    if budget == "25%":
+        assert sum(d.redone for d in decoders) > 0  # misses redone on the per-layer path, tokens still equal
+
+
+def test_host_mirror_of_an_untransposed_checkpoint_is_mapped(checkpoints) -> None:
+    """ExpertTable.map_host: each mirrored expert's gate_up and down addresses inside the mirror's bytes; a
+    transposed (hub) checkpoint cannot be read in place and maps nothing."""
+    from vismmoe_edge.experts.table import ExpertTable
+    from vismmoe_edge.experts.tiers.host_mirror import HostMirror
+
+    for layout, expect_mapped in (("v5", True), ("hub", False)):
+        engine = vismmoe_edge.load(checkpoints[layout], memory_budget="100%", device="cpu", tier="host")
+        catalogue = engine.catalogue
+        keys = sorted(catalogue.experts)[:5]
+        mirror = HostMirror(catalogue, keys, pin=False)
+        table = ExpertTable(len(engine.language_model.layers), catalogue.num_experts, torch.device("cpu"))
+        mapped = table.map_host(mirror, catalogue, engine.dtype)
+        assert mapped == (len(keys) if expect_mapped else 0), layout
+        if expect_mapped:
+            assert table.host_addrs is not None
+            layer, expert = keys[2]
+            gate_up_bytes = catalogue.expert(layer, expert).parts[0].nbytes
+            assert int(table.host_addrs[layer, expert, 0]) == mirror.expert(keys[2]).data_ptr()
+            assert int(table.host_addrs[layer, expert, 1]) == mirror.expert(keys[2]).data_ptr() + gate_up_bytes
+            assert int((table.host_addrs[..., 0] != 0).sum()) == len(keys)
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
+    """Two experts in pool slots, one read in place from a slot-shaped host buffer, one absent and unmapped."""
+    pool, x = _pool(slots=3, inter=24, hidden=40, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    host_gate_up = torch.randn(24 * 2, 40, generator=g).to(torch.bfloat16)
+    host_down = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    record = torch.cat([host_gate_up.view(-1), host_down.view(-1)])  # one expert's bytes, as the mirror holds them
+    table = torch.full((6,), ABSENT, dtype=torch.int32)
+    table[[1, 4]] = torch.tensor([2, 0], dtype=torch.int32)
+    host_row = torch.zeros(6, 2, dtype=torch.int64)
+    host_row[3] = torch.tensor([record.data_ptr(), record.data_ptr() + host_gate_up.nbytes])
+    weights = torch.tensor([[0.5, 0.3, 0.2]])
+    out, missed = md.moe_decode(x, torch.tensor([[4, 3, 1]]), weights, table, pool, F.silu, host_row)
+    assert not bool(missed)
+    w_gate_up = torch.stack([pool.gate_up[0], host_gate_up, pool.gate_up[2]]).float()
+    w_down = torch.stack([pool.down[0], host_down, pool.down[2]]).float()
+    from vismmoe_edge.experts.pool_compute import gathered_experts
+
+    ref = gathered_experts(x.float(), w_gate_up, w_down, weights, F.silu)
+    assert torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, F.silu, host_row)
+    assert bool(missed)  # expert 5: in no slot and not mapped
+
+
+class _InlineTier:
+    """A tier whose fetches only queue a copy (as from the pinned host tier): what promotion may use."""
+
+    name = "fake-inline"
+    slot_bytes = 100
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int, int]] = []
+
+    def can_fetch_inline(self, key) -> bool:  # type: ignore[no-untyped-def]
+        return True
+
+    def fetch(self, key, slot):  # type: ignore[no-untyped-def]
+        from vismmoe_edge.experts.store import ExpertWeights
+
+        return ExpertWeights(torch.zeros(1), torch.zeros(1))
+
+    def release(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        self.released.append(key)
+
+    def ready(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def done(self, key, slot) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def read_bytes(self, key) -> int:  # type: ignore[no-untyped-def]
+        return 100
+
+
+def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows() -> None:
+    from vismmoe_edge.experts.pipeline import ExpertPipeline
+    from vismmoe_edge.experts.promotion import promote_host_reads
+    from vismmoe_edge.experts.table import ExpertTable
+
+    tier = _InlineTier()
+    pipeline = ExpertPipeline(tier, capacity=2, policy="lru")
+    try:
+        table = ExpertTable(2, 8, torch.device("cpu"))
+        assert pipeline.promote(1, 1) is not None and pipeline.promote(1, 2) is not None
+        assert pipeline.promote(1, 1) is None  # already in a slot
+        assert pipeline.promote(1, 3) is not None and tier.released == [(1, 1)]  # the oldest made room
+        assert set(pipeline.resident_slots()) == {(1, 2), (1, 3)}
+        table.sync(pipeline)
+        routing = torch.tensor([[3, 5, 6]])  # expert 3 read from its slot; 5 and 6 from the host tier
+        assert promote_host_reads(pipeline, table, [1], routing, limit=1) == 1  # the cap holds
+        assert set(table.arriving) == {(1, 5)}
+        table.sync(pipeline)  # on the CPU a fill has landed when the fetch returns: the table takes it at once
+        assert not table.arriving and int(table.slots[1, 5]) >= 0 and int(table.slots[1, 2]) == ABSENT
+    finally:
+        pipeline.close()

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""GPU checks of decode on the device (docs/decode-on-device.md), each recorded by tools/device/checks.py:
+
+- equivalence: device decode (one graph per token, experts read through the table, token chosen on the GPU)
+  against transformers' greedy tokens on tiny checkpoints, fp32 and bf16, every expert resident and 25% (misses
+  redo a token), under the near-tie rule of tests/hf_reference.py (both numbers reported);
+- host syncs: CUDA runtime synchronisations per resident device token (torch.profiler), bound <= 2;
+- one MoE layer at 30B-A3B shapes (H 2048, I 768, k 8, bf16) in a graph: the fused Triton GEMV and the torch
+  path, against the byte bound at the HBM bandwidth a large copy reaches.
+    python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from checks import Checks  # noqa: E402
+
+from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs, near_tie_divergence  # noqa: E402
+
+DEVICE = "cuda"  # --device cpu: a dry run of the equivalence checks on the CPU (no graphs)
+# runtime calls that block the host on the GPU (a cudaMemcpyAsync to pageable memory shows up as a stream sync)
+SYNC_CALLS = {"cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy"}
+
+
+def _engine(model_dir: Path, budget: str, pinned_layers: int = 1):  # type: ignore[no-untyped-def]
+    import vismmoe_edge
+
+    engine = vismmoe_edge.load(model_dir, memory_budget=budget, pinned_layers=pinned_layers, device=DEVICE,
+                               tier="gpu" if DEVICE == "cuda" else "host", host_tier=DEVICE == "cuda")  # fmt: skip
+    engine.static_decode = "on"
+    engine.device_decode = "on"
+    return engine
+
+
+def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, *, mapped: bool = False) -> dict:
+    """`mapped`: experts not in a slot read in place from the pinned host tier (an untransposed checkpoint)."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from vismmoe_edge.sampling import SamplingConfig
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    layout = "v5" if mapped else "hub"
+    model_dir = build_tiny_checkpoint(tmp / f"m-{dtype}-{layout}".replace("torch.", ""), seed=5, dtype=dtype,
+                                      layout=layout, num_layers=8)  # fmt: skip
+    engine = _engine(model_dir, budget)
+    engine.device_decode_mapped = mapped
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
+    ref = ref.to(DEVICE).eval()
+    out: dict = {"prompts": {}}
+    ok = True
+    for name, (prompt, n_images) in PROMPTS.items():
+        inputs = engine.encode(prompt, images[:n_images])
+        kwargs = {k: v.to(DEVICE) for k, v in hf_kwargs(inputs).items()}
+        with torch.no_grad():
+            gen = ref.generate(**kwargs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        ref.model.rope_deltas = None
+        tokens = gen.sequences[0, inputs.num_tokens :].tolist()
+        sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        result = engine.generate_from_inputs(inputs, sampling)
+        divergence = None
+        if result.token_ids != tokens:  # teacher-forced on the reference's tokens, through the device token
+            forced = teacher_forced_device(engine, inputs, tokens, sampling)
+            divergence = near_tie_divergence(result.token_ids, tokens, [s[0].float().cpu() for s in gen.logits], forced)
+            ok &= divergence.accepted
+        out["prompts"][name] = {"equal": divergence is None,
+                                "divergence": None if divergence is None else divergence.describe()}  # fmt: skip
+    decoders = [d for d in engine._decoders.values() if d.on_device]
+    out["tokens_redone"] = sum(d.redone for d in decoders)
+    out["graphs"] = all(d.graphs for d in decoders)
+    out["mapped_experts"] = max((d.mapped_experts for d in decoders), default=0)
+    if mapped:  # every streamed expert is in the host tier: no token may miss
+        ok &= out["mapped_experts"] > 0 and out["tokens_redone"] == 0
+    return {"ok": ok and bool(decoders), **out}
+
+
+def teacher_forced_device(engine, inputs, tokens: list[int], sampling) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Per-step logits of the device token (StaticDecoder.token_step) fed the reference's tokens."""
+    logits, state = engine.prefill(inputs)
+    engine.start_decode(state, len(tokens))
+    decoder = state.static
+    assert decoder is not None and decoder.on_device
+    decoder.sampler.set_stops(engine.eos_token_ids)
+    steps = [logits.float().cpu()]
+    for produced, token in enumerate(tokens[:-1], start=1):
+        engine.device_token(token, state, sampling, produced)
+        steps.append(decoder.logits.float().cpu().clone())
+    return steps
+
+
+def host_syncs(tmp: Path, images: list[Path]) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from vismmoe_edge.sampling import SamplingConfig
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp / "syncs", seed=5, dtype=torch.bfloat16, layout="hub", num_layers=8)
+    engine = _engine(model_dir, "100%", pinned_layers=8)  # every expert preloaded: no token can miss
+    inputs = engine.encode(PROMPTS["text"][0], [])
+    warm = SamplingConfig(max_new_tokens=8, min_new_tokens=8, temperature=1.0, seed=1)
+    engine.generate_from_inputs(inputs, warm)  # captures the sampled token's graph
+    decoders = [d for d in engine._decoders.values() if d.on_device]
+    redone_before = sum(d.redone for d in decoders)
+    tokens = 16
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=tokens + 1, min_new_tokens=tokens + 1,
+                                                           temperature=1.0, seed=0))  # fmt: skip
+    counts = {e.key: e.count for e in prof.key_averages() if e.key in SYNC_CALLS}
+    launches = sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
+    redone = sum(d.redone for d in decoders) - redone_before
+    # the prefill's syncs are in the window too: report them apart by subtracting a prefill-only window
+    with profile(activities=[ProfilerActivity.CPU]) as pre:
+        engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=1))
+    prefill = sum(e.count for e in pre.key_averages() if e.key in SYNC_CALLS)
+    per_token = (sum(counts.values()) - prefill) / tokens
+    return {"ok": bool(decoders) and per_token <= 2 and redone == 0, "syncs_per_token": per_token, "sync_calls": counts,
+            "prefill_syncs": prefill, "graph_launches_per_token": launches / tokens,
+            "tokens_redone": redone}  # fmt: skip
+
+
+def hbm_bandwidth(timed) -> float:  # type: ignore[no-untyped-def]
+    """Bytes per second a 2 GiB device-to-device copy moves (each byte read and written)."""
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    return 2 * buf.numel() / (timed(lambda: dst.copy_(buf), 5) * 1e-6)
+
+
+def moe_layer() -> dict:
+    from vismmoe_edge.experts.pool_compute import decode_experts
+    from vismmoe_edge.kernels import moe_decode as md
+
+    hidden, inter, k, slots = 2048, 768, 8, 128
+    gate_up = torch.randn(slots, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(slots, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    sel = torch.randperm(slots, device="cuda")[:k].view(1, k)
+    w = torch.softmax(torch.randn(1, k, device="cuda"), -1)
+
+    def timed(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps * 1e3  # microseconds
+
+    hbm = hbm_bandwidth(timed)
+
+    def in_graph(fn):  # type: ignore[no-untyped-def]
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
+
+    fused = lambda: md.fused_decode(x, sel, w, gate_up, down, F.silu)  # noqa: E731
+    torch_path = lambda: decode_experts(x, sel, w, gate_up, down, F.silu)  # noqa: E731
+    a, b = fused().float(), torch_path().float()
+    err = float((a - b).abs().max() / b.abs().max())
+    bound_us = k * 3 * hidden * inter * 2 / hbm * 1e6
+    fused_us, torch_us = timed(in_graph(fused)), timed(in_graph(torch_path))
+    try:  # reported only: its failure must not hide the numbers above
+        mapped = mapped_layer(x, sel, w, gate_up, down, timed, in_graph)
+    except Exception as e:  # noqa: BLE001
+        mapped = {"mapped_error": f"{type(e).__name__}: {e}"}
+    return {"ok": err < 2e-2 and fused_us <= 2 * bound_us, "hbm_gb_s": hbm / 1e9, "byte_bound_us": bound_us,
+            "fused_us": fused_us, "torch_us": torch_us, "fused_over_bound": fused_us / bound_us,
+            "relative_error": err, **mapped}  # fmt: skip
+
+
+def mapped_layer(x, sel, w, gate_up, down, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]
+    """The same layer with 4 of its 8 experts read in place from pinned host memory (mapped_decode), against the
+    bus bound: those experts' bytes at the pinned host-to-device bandwidth a 1 GiB copy reaches (reported only)."""
+    from vismmoe_edge.kernels import moe_decode as md
+
+    k = sel.shape[1]
+    host = torch.empty(k // 2, gate_up[0].numel() + down[0].numel(), dtype=gate_up.dtype, pin_memory=True)
+    for j in range(k // 2):  # experts sel[k/2:] copied to host, slot-shaped
+        s = int(sel[0, k // 2 + j])
+        host[j, : gate_up[0].numel()].copy_(gate_up[s].reshape(-1))
+        host[j, gate_up[0].numel() :].copy_(down[s].reshape(-1))
+    table = torch.full((gate_up.shape[0],), -1, dtype=torch.int32, device="cuda")
+    index = torch.arange(k, device="cuda").view(1, k)  # expert ids 0..k-1 for the table
+    table[: k // 2] = sel[0, : k // 2].to(torch.int32)
+    host_row = torch.zeros(gate_up.shape[0], 2, dtype=torch.int64)
+    for j in range(k // 2):
+        base = host[j].data_ptr()
+        host_row[k // 2 + j] = torch.tensor([base, base + gate_up[0].nbytes])
+    host_row = host_row.cuda()
+
+    def run():  # type: ignore[no-untyped-def]
+        return md.moe_decode(x, index, w, table, type("Pool", (), {"gate_up": gate_up, "down": down}), F.silu,
+                             host_row)  # fmt: skip
+
+    out, missed = run()
+    ref = md.fused_decode(x, sel, w, gate_up, down, F.silu).float()
+    err = float((out.float() - ref).abs().max() / ref.abs().max())
+    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(big, device="cuda")
+    pinned = big.numel() / (timed(lambda: dev.copy_(big, non_blocking=True), 5) * 1e-6)
+    bus_us = host.nbytes / pinned * 1e6
+    mapped_us = timed(in_graph(run))
+    return {
+        "mapped_relative_error": err,
+        "mapped_missed": bool(missed),
+        "pinned_gb_s": pinned / 1e9,
+        "mapped_us": mapped_us,
+        "mapped_bus_bound_us": bus_us,
+        "mapped_over_bus_bound": mapped_us / bus_us,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    from igpu_checks import make_images
+
+    checks = Checks()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        images = make_images(tmp)
+        for dtype in (torch.float32, torch.bfloat16):
+            for budget in ("100%", "25%"):
+                checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
+                    tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
+        checks.run("equivalence bf16 25% read in place from the host tier",
+                   lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
+        checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
+    checks.run("one MoE layer against its byte bound", moe_layer)
+    args.out.write_text(json.dumps(checks.results, indent=1))
+    return 0 if all(r["status"] != "fail" for r in checks.results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

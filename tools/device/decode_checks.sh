@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# On the GPU server (device tool): decode on the device (docs/decode-on-device.md), in one call per mode, each
+# under 9 minutes, results under $OUT. Carry `.whl` (the transformers wheel we test against); for the replayed-
+# routing rows also carry `.carry` holding deepseek_v2_lite_chat_puffin_prefill_top6.npz (docs/benchmarks.md).
+#   bash tools/device/decode_checks.sh checks     decode_checks.py, then the CUDA equivalence suite as often as the
+#                                                 time left allows
+#   bash tools/device/decode_checks.sh suite      the CUDA equivalence suite up to 10 times in a row (the stream-pool
+#                                                 crash), each run's log kept
+#   bash tools/device/decode_checks.sh sanitizer  compute-sanitizer memcheck + racecheck on the crash's case
+#   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
+#                                                 resident and 20 GiB with popularity, host path and device path
+#                                                 (slots only, and reading in place from the host tier), and
+#                                                 unified-slots forced on the device path; profiles of both paths
+#   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
+#   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
+# A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
+set -uo pipefail
+MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|bench|baselines|bench-int4}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+LIMIT=530  # seconds: the call's 9 minutes less the wheel install and a margin
+left() { echo $((LIMIT - ($(date +%s) - T0))); }
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+python3 setup.py -q build_ext --inplace > "$OUT/native-build.log" 2>&1 || echo "native helper not built (see native-build.log)"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
+python3 -c 'import triton; print("triton", triton.__version__)' || echo "no triton: the torch path runs"
+
+case "$MODE" in
+checks|suite)
+    if [ "$MODE" = checks ]; then
+        echo "== decode checks (equivalence under the near-tie rule, host syncs per token, one MoE layer)"
+        timeout 300 python3 tools/device/decode_checks.py --out "$OUT/decode_checks.json" 2>&1 | grep "^\[" | tail -20
+    fi
+    echo "== CUDA equivalence suite and the device token's CUDA test, up to 10 runs in a row (as time allows)"
+    passed=0
+    for i in $(seq 1 10); do
+        [ "$(left)" -lt 60 ] && { echo "stopping after $((i - 1)) runs: time"; break; }
+        if timeout "$(( $(left) - 5 ))" python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py \
+            tests/test_device_decode.py -k cuda > "$OUT/cuda_suite_$i.log" 2>&1; then
+            passed=$((passed + 1)); echo "run $i: pass ($(tail -1 "$OUT/cuda_suite_$i.log"))"
+        else
+            echo "run $i: FAIL or out of time"; tail -30 "$OUT/cuda_suite_$i.log"
+        fi
+    done
+    echo "cuda suite: $passed runs clean" | tee "$OUT/cuda_suite_summary.txt"
+    ;;
+sanitizer)
+    echo "== compute-sanitizer on one case (the crash's: previous-token predictor, graphs, bf16)"
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    CASE='test_cuda_slot_pool_matches_transformers and previous-token and dtype1'
+    [ -n "$SAN" ] || { echo "compute-sanitizer not found on this machine"; exit 1; }
+    for tool in memcheck racecheck; do
+        budget=$(( ($(left) - 5) / 2 )); [ "$tool" = racecheck ] && budget=$(( $(left) - 5 ))
+        timeout "$budget" "$SAN" --tool "$tool" --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider \
+            tests/test_engine_equivalence.py -k "$CASE" > "$OUT/sanitizer_$tool.log" 2>&1
+        echo "$tool: exit $? (0 clean, 3 errors found, 124 out of time)"
+        grep "ERROR SUMMARY\|RACECHECK SUMMARY\|passed\|failed" "$OUT/sanitizer_$tool.log" | tail -3
+    done
+    ;;
+baselines)
+    timeout $(( $(left) - 200 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    echo "== transformers every weight on the GPU: static cache (the reference), DynamicCache"
+    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+        --baselines-only --strategies hf-static,hf-resident --json "$OUT/discrete-baselines.json" 2>&1 \
+        | grep -v "^ *[\"{}\[]" | tail -20
+    ;;
+bench|bench-int4)
+    MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
+    timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    REPLAY=()
+    [ -f .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz ] && REPLAY=(--replay-trace .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz)
+    [ ${#REPLAY[@]} -eq 0 ] && echo "no .carry trace: sampled routing only"
+    if [ "$MODE" = bench ]; then
+        STRATS=device-resident,all-resident,device-mapped,device-popularity,popularity,device-unified-slots
+        OUTDIR=/tmp/bench
+    else
+        echo "== int4 g128 of the same checkpoint"
+        [ -d /tmp/bench-int4/qwen3vl-30b-a3b-48layer ] || timeout $(( $(left) - 240 )) python3 -m vismmoe_edge.cli quantize \
+            "$MODEL" /tmp/bench-int4/qwen3vl-30b-a3b-48layer --bits 4 --no-progress 2>&1 | tail -3
+        cp /tmp/bench/image-1056.png /tmp/bench-int4/ 2>/dev/null
+        STRATS=device-resident,all-resident,device-popularity,popularity
+        OUTDIR=/tmp/bench-int4
+    fi
+    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 --new-tokens 16 \
+        --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" --skip-accelerate \
+        --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
+    ;;
+*)
+    echo "unknown mode $MODE: checks, suite, sanitizer, bench, baselines or bench-int4"; exit 2 ;;
+esac
+echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"

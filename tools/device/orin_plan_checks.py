@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""GPU checks of quantized dense weights and of the Orin Nano plan forced through unified-slots, one JSON summary.
+
+    python3 tools/device/orin_plan_checks.py --out $OUT/orin_plan.json            # ~5-7 min on an H200
+    (or tools/device/orin_plan_h200.sh, which does the same under $OUT)
+
+Checks (each on its own; a failure is recorded and the others still run; exit status 1 if any failed):
+- dense on CUDA: a tiny Qwen3-VL-MoE (widths the int4 kernels take) quantized `--bits 4 --dense-bits 4|8`. The
+  engine (attention and lm_head on tinygemm or int8, vision int8, embedding read by row) runs on the GPU with
+  tiers gpu-slots and unified-slots, CUDA graphs on and off. It must match transformers on the dequantized file
+  (bf16, CUDA): greedy tokens equal, and graphs on vs off logits within 1e-2.
+- the Nano plan on the H200: the plan for the header-only 48-layer Qwen3-VL-30B-A3B on
+  orin-nano-8gb-super--maxn-super with `--bits 4 --dense-bits 4` gives a pinned depth and the cache's share of the
+  experts. A synthetic checkpoint with the real text dimensions (tools/checkpoints/synthetic_qwen3_vl_moe.py,
+  `--layers` decoder layers, its tiny vision tower) is quantized the same way. It is run with the same pinned
+  depth and share through `--tier unified-slots --device cuda`: one image prompt plus 16 sampled tokens. The
+  record holds tok/s, expert bytes read per decoded token, hit rate and peak RSS. This is an H200, not an
+  Orin: the rates say nothing about a board, but the plan's tier, budget and byte counts run end to end.
+Without CUDA every check is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from tools.device.checks import Checks  # noqa: E402
+
+NANO = "orin-nano-8gb-super--maxn-super"
+PROMPTS = ["Tell me a story about the sea.", "What is red and blue?"]
+
+
+def tiny_dense(root: Path, dense_bits: int) -> tuple[Path, Path]:
+    from vismmoe_edge.conversion import dequantize_checkpoint, quantize_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    src = root / "src"
+    if not (src / "config.json").exists():
+        build_tiny_checkpoint(src, seed=5, dtype=torch.bfloat16, num_layers=8, moe_intermediate=96)
+    q = quantize_checkpoint(src, root / f"dense{dense_bits}", 4, 32, progress=False, dense_bits=dense_bits)
+    return q, dequantize_checkpoint(q, root / f"dense{dense_bits}-deq")
+
+
+def check_dense_engine(root: Path, dense_bits: int) -> dict[str, Any]:
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    import vismmoe_edge
+    from vismmoe_edge.quant.dense import QuantizedLinear
+    from vismmoe_edge.sampling import SamplingConfig
+
+    q, deq = tiny_dense(root, dense_bits)
+    ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(deq, dtype=torch.bfloat16, experts_implementation="eager")
+    ref = ref.to("cuda").eval()
+    out: dict[str, Any] = {}
+    ok = True
+    for tier in ("auto", "unified-slots"):
+        engine = vismmoe_edge.load(q, memory_budget="25%", pinned_layers=1, device="cuda", tier=tier)
+        head = engine.model.lm_head
+        out[f"{tier} tier"] = engine.experts.pipeline.tier.name
+        out[f"{tier} lm_head"] = f"{type(head).__name__} int{getattr(head, 'bits', '?')} {getattr(head, 'layout', '')}"
+        ok &= isinstance(head, QuantizedLinear)
+        logits: dict[bool, list[torch.Tensor]] = {}
+        for graphs in (False, True):
+            engine.cuda_graphs = graphs
+            engine._decoders.clear()
+            matches, firsts = [], []
+            for prompt in PROMPTS:
+                inputs = engine.encode(prompt)
+                ids = inputs.input_ids.to("cuda")
+                with torch.no_grad():
+                    want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                        min_new_tokens=6, do_sample=False)[0, inputs.num_tokens :]  # fmt: skip
+                got = engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=6, min_new_tokens=6))
+                matches.append(got.token_ids == want.tolist())
+                _, state = engine.prefill(inputs)
+                if engine.uses_static_decode():
+                    engine.start_decode(state, 2)
+                firsts.append(engine.decode_step(got.token_ids[0], state).float().clone())
+            out[f"{tier} graphs={graphs} tokens_match"] = matches
+            logits[graphs] = firsts
+            ok &= all(matches)
+        diff = max((a - b).abs().max().item() for a, b in zip(logits[True], logits[False], strict=True))
+        out[f"{tier} graphs on vs off max_abs_logit_diff"] = diff
+        ok &= diff <= 1e-2
+        engine.experts.pipeline.close()
+    return out | {"ok": ok}
+
+
+def nano_plan(work: Path) -> dict[str, Any]:
+    from checkpoints.header_only import write_header_only
+
+    from vismmoe_edge.hardware.profiles import get_profile
+    from vismmoe_edge.planning.plan import make_plan
+
+    h30 = work / "qwen3-vl-30b-a3b-header-only"
+    if not (h30 / "config.json").exists():
+        write_header_only(h30)
+    plan = make_plan(h30, get_profile(NANO), root=ROOT / "tests" / "fixtures" / "boards" / "x86-desktop",
+                     cgroup=None, bits=4, dense_bits=4)  # fmt: skip
+    return plan.as_dict()
+
+
+def check_nano_plan_on_h200(work: Path, layers: int, image: Path) -> dict[str, Any]:
+    import vismmoe_edge
+    from vismmoe_edge.conversion import quantize_checkpoint
+    from vismmoe_edge.sampling import SamplingConfig
+
+    plan = nano_plan(work)
+    src, q = work / f"synthetic-{layers}", work / f"synthetic-{layers}-int4-dense4"
+    t0 = time.perf_counter()
+    if not (src / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "tools/checkpoints/synthetic_qwen3_vl_moe.py"), str(src),
+                        "--layers", str(layers)], check=True)  # fmt: skip
+    built = time.perf_counter() - t0
+    if not (q / "config.json").exists():
+        quantize_checkpoint(src, q, 4, progress=False, layout="rowmajor", dense_bits=4)
+    quantized = time.perf_counter() - t0 - built
+    pinned = min(plan["pinned_layers"], layers - 1)
+    engine = vismmoe_edge.load(q, device="cuda", tier="unified-slots", memory_budget="100%", pinned_layers=0)
+    total = engine.catalogue.expert_bytes * len(engine.catalogue.experts)
+    engine.experts.pipeline.close()
+    per_layer = total // layers
+    budget = pinned * per_layer + int(plan["cache_fraction"] * total)
+    engine = vismmoe_edge.load(q, device="cuda", tier="unified-slots", memory_budget=str(budget),
+                               pinned_layers=pinned)  # fmt: skip
+    inputs = engine.encode("Describe the picture in detail.", [image])
+    sampling = SamplingConfig(max_new_tokens=16, min_new_tokens=16, temperature=0.7, top_p=0.9, seed=0)
+    engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=2, min_new_tokens=2))  # warm-up
+    before = engine.experts.pipeline.stats.bytes_read
+    result = engine.generate_from_inputs(inputs, sampling)
+    read = engine.experts.pipeline.stats.bytes_read - before
+    return {
+        "plan": {
+            k: plan[k]
+            for k in (
+                "pinned_layers",
+                "cache_fraction",
+                "resident_bytes",
+                "memory_budget_bytes",
+                "m_avail_bytes",
+                "device",
+                "tier",
+            )
+        },  # fmt: skip
+        "proxy_layers": layers,
+        "build_s": round(built, 1),
+        "quantize_s": round(quantized, 1),
+        "budget_bytes": budget,
+        "pinned_layers": pinned,
+        "tier": engine.experts.pipeline.tier.name,
+        "prompt_tokens": inputs.num_tokens,
+        "timings": result.timings.as_dict(),
+        "expert_bytes_read_per_generated_token": read / max(len(result.token_ids), 1),
+        "experts": result.experts,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "ok": len(result.token_ids) == 16,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write the JSON summary here")
+    ap.add_argument("--work", type=Path, help="where to build checkpoints (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the synthetic proxy (48: the model)")
+    ap.add_argument("--skip-proxy", action="store_true", help="only the dense-weight checks")
+    args = ap.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="orin-plan-checks-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
+
+    checks = Checks()
+    start = time.perf_counter()
+    for bits in (4, 8):
+        checks.run(f"cuda dense int{bits} vs transformers (tiers, graphs on/off)",
+                   lambda b=bits: check_dense_engine(work / "tiny", b))  # fmt: skip
+    if not args.skip_proxy:
+        checks.run(f"nano plan through unified-slots on this GPU ({args.layers} layers)",
+                   lambda: check_nano_plan_on_h200(work, args.layers, ensure_sample_image()))  # fmt: skip
+    counts = {s: sum(r["status"] == s for r in checks.results) for s in ("pass", "fail", "skipped")}
+    summary = {"seconds": round(time.perf_counter() - start, 1), "checks": checks.results, "counts": counts}
+    print(json.dumps(counts))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return 1 if counts["fail"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

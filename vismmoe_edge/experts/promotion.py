@@ -1,0 +1,44 @@
+"""After a device token: bring experts it read in place from the host tier into GPU slots, for later tokens.
+
+The token's routing arrives in pinned memory with the token (StaticDecoder.token_step). Experts the table did not
+have in a slot were read over the bus; up to `limit` of them per token are fetched into slots (ExpertPipeline
+.promote: a free slot, or the slot of a less valuable expert), the DMAs overlapping the next tokens. A promoted
+expert joins the device table once its slot's fill event has completed, and an evicted one stays readable from
+the host meanwhile, so no token waits for a promotion.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vismmoe_edge.experts.pipeline import ExpertPipeline
+from vismmoe_edge.experts.table import ExpertTable
+
+# Experts promoted per token at most: 8 x 9.44 MB (30B-A3B, bf16) is ~1.5 ms of DMA at 50 GB/s, while the token's
+# own in-place reads use the same bus; more would starve them.
+PROMOTIONS_PER_TOKEN = 8
+
+
+def promote_host_reads(
+    pipeline: ExpertPipeline,
+    table: ExpertTable,
+    moe_layers: list[int],
+    routing: torch.Tensor,
+    *,
+    limit: int = PROMOTIONS_PER_TOKEN,
+) -> int:
+    """routing [moe layers, k] (host): this token's experts. Returns how many promotions were queued."""
+    events = getattr(pipeline.tier, "events", None)  # CUDA slot tiers: one fill event per slot
+    queued = 0
+    for m, layer in enumerate(moe_layers):
+        for expert in routing[m].tolist():
+            if queued >= limit:
+                return queued
+            key = (layer, expert)
+            if int(table.host[layer, expert]) >= 0 or key in table.arriving:
+                continue  # read from a slot, or already on its way
+            slot = pipeline.promote(layer, expert)
+            if slot is not None:
+                table.arriving[key] = None if events is None else events[slot]
+                queued += 1
+    return queued
