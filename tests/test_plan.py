@@ -91,8 +91,14 @@ def test_overrides_and_too_little_memory(ckpt):
     assert (plan.pinned_layers, plan.cache_bytes, plan.prefetch_depth) == (8, 0, 0)  # capped at n; nothing streams
     plan = make_plan(path, get_profile("cpu"), mem_available=big, c_safe=0, l_semantic=5)
     assert plan.pinned_layers == 5
-    with pytest.raises(VismmoeError, match="cannot hold one layer's top-4"):
+    with pytest.raises(VismmoeError, match="cannot hold one layer's top-4.*lower --c-safe-gib"):
         make_plan(path, get_profile("cpu"), mem_available=avail(d, 3 * d["bytes_per_expert"]), c_safe=0)
+    # run and serve take C_safe from the profile: the advice must name an option they accept (issue 22)
+    profile = get_profile("cpu")
+    c_safe = int(profile.planner.c_safe_gib * (1 << 30))
+    with pytest.raises(VismmoeError, match="choose a --profile with a smaller c_safe_gib") as refused:
+        make_plan(path, profile, mem_available=avail(d, 3 * d["bytes_per_expert"], c_safe))
+    assert "--c-safe-gib" not in str(refused.value)
 
 
 def test_discrete_gpu_plans_from_free_gpu_memory(ckpt):

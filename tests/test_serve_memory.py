@@ -96,7 +96,7 @@ def hammer(srv: Server, body: dict) -> list[int | str]:
     ("extra", "expected"),
     [
         ([], 400),  # defaults: refused from the headers (decoded bytes), nothing decoded
-        (["--max-decoded-bytes", "1GiB", "--max-prompt-tokens", "16384"], 200),  # admitted, decoded one at a time
+        (["--max-decoded-bytes", "1.5GiB", "--max-prompt-tokens", "16384"], 200),  # admitted (planned 1.2 GiB)
     ],
     ids=["refused-before-admission", "admitted-and-decoded"],
 )

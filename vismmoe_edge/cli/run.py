@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -68,10 +69,12 @@ def run(
     """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
     try:
         prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
+        check_image_files(image or [])
     except VismmoeError as e:
         raise fail(str(e)) from None
     from vismmoe_edge.compress.config import CompressionConfig
     from vismmoe_edge.sampling import SamplingConfig
+    from vismmoe_edge.serve.protocol import sampling_floor
 
     try:
         compression = CompressionConfig(compressor, keep_ratio, salient_ratio, affinity_weight)
@@ -93,6 +96,7 @@ def run(
         writer = engine.write_trace(trace_out) if trace_out is not None else None
         inputs = engine.encode(prompt, images)
         check_context(inputs.num_tokens, max_new_tokens, engine)
+        temperature, top_p = sampling_floor(temperature, top_p)  # 1e-300 would make NaN probabilities
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
         try:
@@ -165,6 +169,19 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
         raise VismmoeError(f"--prompt-file {prompt_file}: cannot read it ({reason})") from None
+
+
+def check_image_files(paths: list[Path]) -> None:
+    """Each --image must be a regular file: opening a FIFO would wait for a writer for ever, a device never end."""
+    for path in paths:
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            continue  # said where the image is read, as before
+        except OSError as e:
+            raise VismmoeError(f"--image {path}: cannot read it ({e.strerror})") from None
+        if not stat.S_ISREG(mode):
+            raise VismmoeError(f"--image {path}: not a regular file (a FIFO, device or directory); give an image file")
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, engine: object) -> None:

@@ -47,6 +47,9 @@ def serve_command(
     unix_socket: Annotated[
         Path | None, typer.Option("--unix-socket", help="listen on this Unix socket instead of TCP")
     ] = None,
+    socket_mode: Annotated[
+        str, typer.Option("--socket-mode", help="the Unix socket's permissions, in octal (0660: owner and group)")
+    ] = "0660",
     listen: Annotated[
         str | None,
         typer.Option("--listen", help="unix:PATH or HOST:PORT; replaces --host, --port and --unix-socket"),
@@ -99,14 +102,31 @@ def serve_command(
     max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "32MiB",
     max_decoded_bytes: Annotated[
-        str, typer.Option("--max-decoded-bytes", help="a request's images once decoded (from their headers)")
-    ] = "256MiB",
+        str,
+        typer.Option(
+            "--max-decoded-bytes", help="a request's images at their peak, decoded and processed (from their headers)"
+        ),
+    ] = "512MiB",
     max_pending_bytes: Annotated[
         str, typer.Option("--max-pending-bytes", help="request bodies held at once; more get 503")
     ] = "256MiB",
     max_connections: Annotated[
         int, typer.Option("--max-connections", min=1, help="open client connections; more get 503")
     ] = 64,
+    max_connections_per_client: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections-per-client",
+            min=1,
+            help="open connections of one IP address (or uid on a Unix socket); default: 7/8 of --max-connections",
+        ),
+    ] = None,
+    header_timeout: Annotated[
+        float, typer.Option("--header-timeout", min=0.1, help="seconds for a request's line and headers; then 408")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option("--body-timeout", min=0.1, help="seconds for a request's body after its headers; then 408")
+    ] = 60.0,
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", min=0.1, help="seconds from arrival, queueing included")
     ] = 300.0,
@@ -129,6 +149,9 @@ def serve_command(
             max_decoded_bytes=parse_size(max_decoded_bytes, what="--max-decoded-bytes"),
             max_pending_bytes=parse_size(max_pending_bytes, what="--max-pending-bytes"),
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client or max_connections - max(1, max_connections // 8),
+            header_timeout_s=header_timeout,
+            body_timeout_s=body_timeout,
             max_image_pixels=max_image_pixels,
             max_images=max_images,
             max_prompt_tokens=max_prompt_tokens,
@@ -140,12 +163,14 @@ def serve_command(
         load = load_options(locals(), compression=compression)
         if listen is not None:
             host, port, unix_socket = parse_listen(listen)
+        mode = parse_socket_mode(socket_mode)
         options = ServeOptions(
             model=model,
             model_id=model_id,
             host=host,
             port=port,
             unix_socket=unix_socket,
+            socket_mode=mode,
             load=load,
             image_dirs=tuple(image_dir or ()),
             allowed_origins=tuple(parse_origin(o) for o in allowed_origin or ()),
@@ -158,6 +183,12 @@ def serve_command(
     except VismmoeError as e:
         raise fail(str(e)) from None
     raise typer.Exit(code)
+
+
+def parse_socket_mode(text: str) -> int:
+    if not (3 <= len(text) <= 4 and all(c in "01234567" for c in text)) or int(text, 8) > 0o777:
+        raise VismmoeError(f"--socket-mode {text!r}: give permissions in octal, such as 0660 or 0600")
+    return int(text, 8)
 
 
 def install_service_command(

@@ -253,7 +253,7 @@ def make_plan(
             f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
             f"{format_bytes(c_safe_b)} - resident weights {format_bytes(resident)} - KV, activations and reads "
             f"{format_bytes(others)}) cannot hold one layer's top-{k} experts ({format_bytes(one_layer_topk)}); "
-            + _ways_out(weights, source, context)
+            + _ways_out(weights, source, context, c_safe_given=c_safe is not None)
         )
 
     if m_e >= n * s_layer:
@@ -375,7 +375,7 @@ def _weights_note(weights: Any) -> str:
     return parts
 
 
-def _ways_out(weights: Any, source: str, context: int) -> str:
+def _ways_out(weights: Any, source: str, context: int, c_safe_given: bool = True) -> str:
     """What would make it fit, cheapest first."""
     ways = []
     if weights.bits is None:
@@ -385,7 +385,8 @@ def _ways_out(weights: Any, source: str, context: int) -> str:
     if context > 1024:
         ways.append(f"a shorter --max-context than {context}")
     ways.append("raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory")
-    ways.append("lower --c-safe-gib")
+    # `plan` takes --c-safe-gib; `run` and `serve` take C_safe from the profile only
+    ways.append("lower --c-safe-gib" if c_safe_given else "choose a --profile with a smaller c_safe_gib")
     return "; ".join(ways[:-1]) + f" or {ways[-1]}"
 
 

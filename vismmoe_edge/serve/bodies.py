@@ -71,50 +71,64 @@ def too_large(n: int | str, limit: int) -> ApiError:
 
 
 def read_body(rfile: IO[bytes], headers: Message, limit: int, budget: ByteBudget) -> tuple[bytes, int]:
-    """(body, bytes taken from `budget`); the caller gives them back when the request is done."""
+    """(body, bytes taken from `budget`); the caller gives them back when the request is done. On every other
+    way out (a refusal, a timeout: 408, a client that leaves, a bug) the bytes are given back here."""
     length = content_length(headers)
-    if length is not None:
-        if length > limit:
-            raise too_large(length, limit)
-        budget.take(length)
-        data = rfile.read(length)
-        if len(data) < length:
-            budget.give(length)
-            raise bad_request("the request body ended early")
-        return data, length
-    return read_chunked(rfile, limit, budget)
-
-
-def read_chunked(rfile: IO[bytes], limit: int, budget: ByteBudget) -> tuple[bytes, int]:
-    """A chunked body, bounded as it arrives; its budget is taken chunk by chunk and kept on success."""
-    parts: list[bytes] = []
-    total = 0
+    held = [0]  # bytes taken so far, read by the finally below whatever happened
+    done = False
     try:
-        while True:
-            line = rfile.readline(MAX_CHUNK_LINE + 1)
-            if not line.endswith(b"\n"):
-                raise bad_request("malformed chunk-size line", code="bad_framing")
-            size_text = line.split(b";", 1)[0].strip()
-            if not CHUNK_SIZE.fullmatch(size_text):
-                raise bad_request("malformed chunk size", code="bad_framing")
-            size = int(size_text, 16)
-            if size == 0:
-                break
-            if total + size > limit:
-                raise too_large(f"more than {total + size}", limit)
-            budget.take(size)
-            total += size
-            data = rfile.read(size)
-            if len(data) < size or rfile.read(2) != b"\r\n":
-                raise bad_request("the chunked body ended early or is malformed", code="bad_framing")
-            parts.append(data)
-        for _ in range(MAX_TRAILER_LINES):
-            line = rfile.readline(MAX_CHUNK_LINE + 1)
-            if line in (b"\r\n", b"\n", b""):
-                break
-        else:
-            raise http_error(431, "too many trailer lines after the chunked body")
-    except BaseException:
-        budget.give(total)
-        raise
-    return b"".join(parts), total
+        try:
+            if length is None:
+                data = read_chunked(rfile, limit, budget, held)
+            else:
+                data = read_sized(rfile, length, limit, budget, held)
+        except TimeoutError:  # DeadlinePassed (--body-timeout) or the socket's own timeout
+            raise http_error(408, "the request body did not arrive in time; the connection is closed") from None
+        except OSError:  # reset by the client
+            raise bad_request("the connection failed while the body was read", code="bad_framing") from None
+        done = True
+        return data, held[0]
+    finally:
+        if not done:
+            budget.give(held[0])
+
+
+def read_sized(rfile: IO[bytes], length: int, limit: int, budget: ByteBudget, held: list[int]) -> bytes:
+    if length > limit:
+        raise too_large(length, limit)
+    budget.take(length)
+    held[0] = length
+    data = rfile.read(length)
+    if len(data) < length:
+        raise bad_request("the request body ended early")
+    return data
+
+
+def read_chunked(rfile: IO[bytes], limit: int, budget: ByteBudget, held: list[int]) -> bytes:
+    """A chunked body, bounded as it arrives; its budget is taken chunk by chunk (counted in `held`)."""
+    parts: list[bytes] = []
+    while True:
+        line = rfile.readline(MAX_CHUNK_LINE + 1)
+        if not line.endswith(b"\n"):
+            raise bad_request("malformed chunk-size line", code="bad_framing")
+        size_text = line.split(b";", 1)[0].strip()
+        if not CHUNK_SIZE.fullmatch(size_text):
+            raise bad_request("malformed chunk size", code="bad_framing")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        if held[0] + size > limit:
+            raise too_large(f"more than {held[0] + size}", limit)
+        budget.take(size)
+        held[0] += size
+        data = rfile.read(size)
+        if len(data) < size or rfile.read(2) != b"\r\n":
+            raise bad_request("the chunked body ended early or is malformed", code="bad_framing")
+        parts.append(data)
+    for _ in range(MAX_TRAILER_LINES):
+        line = rfile.readline(MAX_CHUNK_LINE + 1)
+        if line in (b"\r\n", b"\n", b""):
+            break
+    else:
+        raise http_error(431, "too many trailer lines after the chunked body")
+    return b"".join(parts)

@@ -25,6 +25,7 @@ from vismmoe_edge.serve import metrics as metrics_text
 from vismmoe_edge.serve import sdnotify
 from vismmoe_edge.serve.admission import client_key
 from vismmoe_edge.serve.bodies import ByteBudget
+from vismmoe_edge.serve.bounded_json import JsonLimits, check_json_bounds
 from vismmoe_edge.serve.images import check_request_images, load_image_url
 from vismmoe_edge.serve.metrics import Metrics, host_mem_available, rss_anon_bytes
 from vismmoe_edge.serve.policy import HttpPolicy
@@ -33,8 +34,8 @@ from vismmoe_edge.serve.protocol import (
     ChatRequest,
     Limits,
     bad_request,
-    nesting_depth_exceeds,
     parse_chat_request,
+    prompt_text_bytes,
     unavailable,
 )
 from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
@@ -60,6 +61,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     unix_socket: Path | None = None
+    socket_mode: int = 0o660  # the Unix socket's permissions, set by the daemon (not left to the umask)
     load: LoadOptions = field(default_factory=_load_options)  # what `run` takes; "auto": the planner's
     image_dirs: tuple[Path, ...] = ()  # local image paths are served from these only; none: local paths are off
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none by default
@@ -81,6 +83,8 @@ class Service:
         self.estimate_tokens: Any = None  # (width, height) -> visual tokens, from the processor once loaded
         self.vocab_size = 0
         self.max_positions = 0
+        self.max_token_bytes = DEFAULT_MAX_TOKEN_BYTES  # the tokenizer's longest token, once loaded
+        self.json_limits = JsonLimits.for_chat(self.limits, self.max_text_bytes())
         self.metrics = Metrics()
         self.state = "loading"  # -> ok -> draining; "stopped" if loading failed
         self.engine: Engine | None = None
@@ -108,6 +112,14 @@ class Service:
         text_config = self.engine.text_config
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self.engine.processor.tokenizer))
         self.max_positions = self.worker.max_positions
+        self.max_token_bytes = longest_token_bytes(self.engine.processor.tokenizer)
+        self.json_limits = JsonLimits.for_chat(self.limits, self.max_text_bytes())
+        log.info(
+            "prompts of more than %d bytes of text are refused before tokenizing (%d tokens of at most %d bytes)",
+            self.max_text_bytes(),
+            self.limits.max_prompt_tokens,
+            self.max_token_bytes,
+        )
         self.worker.thread.start()
         self.state = "ok"
 
@@ -202,15 +214,19 @@ class Service:
         worker.submit(job, client_key(peer, data))
         return job
 
+    def max_text_bytes(self) -> int:
+        """A prompt's text beyond this many UTF-8 bytes has more than --max-prompt-tokens tokens: each token
+        stands for at most max_token_bytes bytes of text."""
+        return self.limits.max_prompt_tokens * self.max_token_bytes
+
     def parse(self, data: bytes) -> ChatRequest:
+        check_json_bounds(data, self.json_limits)  # before json.loads builds anything
         try:
             body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON ({str(e)[:200]})", code="invalid_json") from None
         except RecursionError:
             raise bad_request("the request body nests too deeply", code="invalid_json") from None
-        if nesting_depth_exceeds(body):
-            raise bad_request("the request body nests too deeply (more than 64 levels)", code="invalid_json")
         self.check_model(body.get("model") if isinstance(body, dict) else None)
         dirs, limits, estimate = self.image_dirs, self.limits, self.estimate_tokens
 
@@ -218,6 +234,14 @@ class Service:
             return load_image_url(url, param, limits, dirs, estimate)
 
         request = parse_chat_request(body, limits, load_image, self.vocab_size)
+        text_bytes = prompt_text_bytes(request.messages)
+        if text_bytes > self.max_text_bytes():  # refused from its bytes: tokenizing it would cost seconds and GiB
+            raise bad_request(
+                f"the prompt has {text_bytes} bytes of text, more than {self.limits.max_prompt_tokens} tokens can "
+                f"hold (a token of this tokenizer is at most {self.max_token_bytes} bytes)",
+                "messages",
+                "context_length_exceeded",
+            )
         check_request_images(request.images, limits, request.max_tokens, self.max_positions)
         if request.response_format is not None and self.worker is not None:
             with self.grammar_lock:  # built once, on the first request that asks for one
@@ -276,6 +300,17 @@ class Service:
                 ),
             ],
         )
+
+
+DEFAULT_MAX_TOKEN_BYTES = 256  # before the tokenizer is loaded (no request is served then)
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes any vocabulary entry (special tokens included) can stand for. The entries' own text
+    is an upper bound: byte-level BPE writes each byte as one character of at most 2 UTF-8 bytes, SentencePiece
+    writes a space as the 3-byte '▁' and a byte-fallback token as '<0xAB>'."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=DEFAULT_MAX_TOKEN_BYTES)
 
 
 def resolve_image_dirs(dirs: tuple[Path, ...]) -> tuple[str, ...]:
@@ -376,7 +411,7 @@ def serve(options: ServeOptions) -> int:
 
 def start_http(options: ServeOptions, service: Service) -> TCPServer | UnixServer:
     """Listen before loading: /health answers "loading", and a taken port fails before a long load."""
-    httpd = make_server(options.host, options.port, options.unix_socket, service)
+    httpd = make_server(options.host, options.port, options.unix_socket, service, options.socket_mode)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True).start()
     if options.unix_socket is None and not service.policy.loopback_only and not options.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", options.host)

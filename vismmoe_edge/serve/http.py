@@ -7,6 +7,7 @@ http.server raises itself (400, 414, 431, 501), is answered in OpenAI's JSON sha
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import queue
@@ -19,9 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlparse
 
 from vismmoe_edge.serve.bodies import ByteBudget, read_body
+from vismmoe_edge.serve.deadlines import DeadlineReader
 from vismmoe_edge.serve.protocol import (
     ApiError,
     Completion,
+    busy,
     chunk,
     completion_body,
     http_error,
@@ -73,6 +76,25 @@ class Handler(BaseHTTPRequestHandler):
     @property
     def service(self) -> Service:
         return self.server.service
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain socket file: every read goes through the deadlines instead
+        self.reader = DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self.reader, 65536)
+
+    def handle_one_request(self) -> None:
+        """One request, its request line and headers within --header-timeout; a client that started a request
+        and did not finish its headers in time gets a 408 (an idle keep-alive connection is just closed)."""
+        self.reader.start("headers", self.header_timeout())
+        super().handle_one_request()  # catches the TimeoutError of a late request and closes the connection
+        if self.reader.expired and self.reader.phase == "headers" and self.reader.received:
+            self.close_connection = True
+            self.command, self.request_version, self.requestline = "", "HTTP/1.1", ""
+            self.send_error_json(http_error(408, "the request headers did not arrive in time (--header-timeout)"))
+
+    def header_timeout(self) -> float:
+        return self.service.limits.header_timeout_s
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -203,6 +225,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- chat completions --
     def chat_completions(self) -> None:
+        wants_close = self.close_connection  # parse_request() set it from `Connection: close` (or HTTP/1.0)
         self.close_connection = True  # until the body is read: unread bytes must not pass for the next request
         taken = 0
         try:
@@ -213,8 +236,12 @@ class Handler(BaseHTTPRequestHandler):
                 if media not in JSON_TYPES:
                     raise http_error(415, f"Content-Type must be application/json, not {media[:60] or 'missing'!r}")
                 limit = self.service.limits.max_body_bytes
-                data, taken = read_body(self.rfile, self.headers, limit, self.service.bodies)
-                self.close_connection = False
+                self.reader.start("body", self.service.limits.body_timeout_s)
+                try:
+                    data, taken = read_body(self.rfile, self.headers, limit, self.service.bodies)
+                finally:
+                    self.reader.start("reply", None)  # no read deadline while the reply is generated
+                self.close_connection = wants_close
                 job = self.service.start_chat(data, self.server.peer(self.connection, self.client_address))
                 del data  # the request keeps only what it needs (compressed images, text)
             except ApiError as e:
@@ -336,3 +363,29 @@ class Handler(BaseHTTPRequestHandler):
             c.finish_reason,
             c.timings.get("decode_tokens_per_s", 0.0),
         )
+
+
+class ProbeHandler(Handler):
+    """A connection past the connection caps: one GET /health or /metrics is answered (a probe must see a busy
+    daemon as alive), anything else gets the 503 the caps give; then the connection closes."""
+
+    PROBES = ("/health", "/metrics")
+    PROBE_HEADER_S = 2.0
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+
+    def header_timeout(self) -> float:
+        return min(self.PROBE_HEADER_S, self.service.limits.header_timeout_s)
+
+    def admit(self, method: str) -> str | None:
+        self.close_connection = True
+        if method == "GET" and urlparse(self.path).path in self.PROBES:
+            return super().admit(method)
+        reason = self.server.cap_reason(self.server.peer(self.connection, self.client_address))
+        self.send_error_json(busy(f"{reason}; retry shortly", "too_many_connections"))
+        return None
+
+    def do_OPTIONS(self) -> None:
+        self.admit("OPTIONS")

@@ -188,13 +188,28 @@ def decode(image: PendingImage) -> Image.Image:
         raise bad_request(f"{image.param}: cannot decode the image ({e})", image.param) from None
 
 
+# What decoding and the processor really cost, per byte of decoded_bytes and per pixel of the largest image,
+# measured with tools/bench/request_peak.py (docs/benchmarks.md, "One request's memory"): the decoded images and
+# the processor's uint8 arrays of all of them (<= 2x), and its float32 working copy of one image at a time.
+PEAK_PER_DECODED_BYTE = 2
+PEAK_PER_LARGEST_PIXEL = 12
+
+
+def planned_peak(images: list[PendingImage]) -> int:
+    """The memory a request's images will take at their peak in the worker, from their headers."""
+    if not images:
+        return 0
+    largest = max(i.width * i.height for i in images)
+    return PEAK_PER_DECODED_BYTE * sum(i.decoded_bytes for i in images) + PEAK_PER_LARGEST_PIXEL * largest
+
+
 def check_request_images(images: list[PendingImage], limits: Limits, max_tokens: int, max_positions: int) -> None:
     """Budgets over all of a request's images, from their headers: before admission, before any decode."""
-    decoded = sum(i.decoded_bytes for i in images)
-    if decoded > limits.max_decoded_bytes:
+    peak = planned_peak(images)
+    if peak > limits.max_decoded_bytes:
         raise bad_request(
-            f"the images would take {decoded} bytes once decoded, more than the limit of {limits.max_decoded_bytes} "
-            "(--max-decoded-bytes); send smaller images",
+            f"the images would take {peak} bytes at their peak once decoded and processed, more than the limit of "
+            f"{limits.max_decoded_bytes} (--max-decoded-bytes); send smaller images",
             "messages",
             "image_too_large",
         )

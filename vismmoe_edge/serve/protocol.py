@@ -23,6 +23,10 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_DEPTH = 64  # JSON nesting of a request body (a schema in response_format included)
 INT64 = (-(2**63), 2**63 - 1)
+# Below these, sampling is greedy in all but name, and the arithmetic breaks: logits / 1e-300 overflows float32 to
+# inf (NaN probabilities), and a top_p that rounds to 0 in float32 drops even the most likely token.
+MIN_TEMPERATURE = 1e-6  # below: greedy (temperature 0), the limit as the temperature goes to 0
+MIN_TOP_P = 1e-6  # below: 1e-6, which keeps only the most likely token, as any smaller top_p would
 # Fields that would change the reply and that we cannot honour: refused, never silently ignored.
 UNSUPPORTED = {
     "tools": "tools and function calling are not supported",
@@ -46,13 +50,16 @@ class Limits:
     max_body_bytes: int = 32 * MiB
     max_image_bytes: int = 20 * MiB  # one image as sent (compressed)
     max_image_pixels: int = 4096 * 4096  # one image, from its header, before any decode
-    max_decoded_bytes: int = 256 * MiB  # all images of a request once decoded, from their headers
+    max_decoded_bytes: int = 512 * MiB  # a request's images at their peak in the worker (images.planned_peak)
     max_pending_bytes: int = 256 * MiB  # request bodies held at once (read, queued or running)
     max_images: int = 8
     max_prompt_tokens: int = 4096
     max_tokens: int = 512  # the cap, and the default when a request names none
     max_queue: int = 8  # requests waiting behind the one generating
     max_connections: int = 64  # open client connections; more are answered 503 at once
+    max_connections_per_client: int = 56  # one client (IP address or uid) cannot take the last 1/8
+    header_timeout_s: float = 10.0  # request line and headers, from when the handler waits for them
+    body_timeout_s: float = 60.0  # the whole body, from the end of the headers
     request_timeout_s: float = 300.0  # from arrival, queueing included
 
 
@@ -139,6 +146,11 @@ class ChatRequest:
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema"}
 
 
+def sampling_floor(temperature: float, top_p: float) -> tuple[float, float]:
+    """(temperature, top_p) as sampled: tiny values replaced by their limits (shared with `vismmoe-edge run`)."""
+    return (0.0 if temperature < MIN_TEMPERATURE else temperature), max(top_p, MIN_TOP_P)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -192,7 +204,7 @@ def parse_stop(value: object) -> list[str]:
         raise bad_request("'stop' must be a string or an array of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
-    return [s for s in stops if s]
+    return [check_text(s, "stop") for s in stops if s]
 
 
 def parse_logit_bias(value: object, vocab_size: int) -> dict[int, float]:
@@ -278,10 +290,13 @@ def parse_chat_request(body: object, limits: Limits, load_image: ImageLoader, vo
     min_tokens = parse_int(body, "min_tokens", 0, 0, max_tokens)
     if response_format is not None and min_tokens:
         raise bad_request("'min_tokens' cannot be combined with response_format", "min_tokens")
+    temperature, top_p = sampling_floor(
+        parse_number(body, "temperature", 0.0, 0.0, 2.0), parse_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
+    )
     sampling = dict(
         max_tokens=max_tokens,
-        temperature=parse_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        temperature=temperature,
+        top_p=top_p,
         seed=seed,
         stop=parse_stop(body.get("stop")),
         stream=stream,
@@ -314,7 +329,7 @@ def parse_messages(raw: object, limits: Limits, load_image: ImageLoader) -> tupl
             raise bad_request(f"{where}.name must be a string", f"{where}.name")
         content = message.get("content")
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": check_text(content, f"{where}.content")})
             continue
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
@@ -330,7 +345,7 @@ def parse_part(part: object, where: str, images: list, limits: Limits, load_imag
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}.text must be a string", f"{where}.text")
-        return {"type": "text", "text": part["text"]}
+        return {"type": "text", "text": check_text(part["text"], f"{where}.text")}
     if kind == "image_url":
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else spec
@@ -346,21 +361,26 @@ def parse_part(part: object, where: str, images: list, limits: Limits, load_imag
     raise bad_request(f"{where}.type {show(kind)} is not supported: use 'text' or 'image_url'", f"{where}.type")
 
 
-def nesting_depth_exceeds(value: object, limit: int = MAX_DEPTH) -> bool:
-    """Whether a parsed JSON value nests deeper than `limit` (iterative: a deep value must not recurse here)."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
+def check_text(text: str, param: str) -> str:
+    """A string the prompt will hold: a lone surrogate (valid in JSON's \\uXXXX, not in UTF-8) is a 400."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"{param} holds a lone UTF-16 surrogate (\\ud800-\\udfff), not text", param) from None
+    return text
+
+
+def prompt_text_bytes(messages: list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of the text in parsed messages (their strings were checked by check_text)."""
+    total = 0
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            total += len(content.encode())
         else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
+            total += sum(len(part["text"].encode()) for part in content if part["type"] == "text")
+    return total
 
 
 # ---- responses ----------------------------------------------------------------------------------------

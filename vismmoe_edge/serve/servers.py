@@ -1,25 +1,33 @@
-"""The listening side: a TCP or Unix-socket server with one thread per connection, and a cap on connections.
+"""The listening side: a TCP or Unix-socket server with one thread per connection, and caps on connections.
 
-Past --max-connections a new connection is answered 503 at once from the accepting thread and closed, so a
-flood of idle or slow clients costs no thread and cannot grow memory without bound.
+Past --max-connections, or past --max-connections-per-client for one client (IP address, or uid on the Unix
+socket: one client can never take the last slots), a new connection is answered 503 at once from the accepting
+thread and closed, so a flood of idle or slow clients costs no thread and cannot grow memory without bound.
+A few connections past the caps (PROBE_SLOTS) are still read, briefly, for a probe: GET /health and /metrics
+are answered even while slow clients hold every slot, and anything else gets the 503.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import socketserver
 import stat
 import struct
 import threading
+from collections import Counter
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.serve.http import Handler, Service
+from vismmoe_edge.serve.http import Handler, ProbeHandler, Service
 from vismmoe_edge.serve.protocol import busy
+
+PROBE_SLOTS = 4  # connections past the caps read for a /health or /metrics probe
+PROBE_SLOTS_PER_CLIENT = 2  # so that one client trickling bytes cannot hold them all
 
 
 class ServerMixin:
@@ -27,41 +35,78 @@ class ServerMixin:
     request_queue_size = 64  # listen backlog: a burst of clients gets queued or a 429, not a refused connection
     daemon_threads = True
 
-    def init_cap(self, max_connections: int) -> None:
+    def init_cap(self, max_connections: int, per_client: int) -> None:
         self.max_connections = max_connections
+        self.max_per_client = per_client
         self.connections = 0
+        self.per_client: Counter[str] = Counter()
+        self.probes: Counter[str] = Counter()
         self.connections_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        client = peer_identity(request, client_address)
         with self.connections_lock:
             full = self.connections >= self.max_connections
-            if not full:
+            crowded = self.per_client[client] >= self.max_per_client
+            admitted = not full and not crowded
+            probe = not admitted and self.probes.total() < PROBE_SLOTS
+            probe = probe and self.probes[client] < PROBE_SLOTS_PER_CLIENT
+            if admitted:
                 self.connections += 1
-        if full:
-            refuse_connection(request, self.max_connections)
+                self.per_client[client] += 1
+            elif probe:
+                self.probes[client] += 1
+        if admitted:
+            try:
+                super().process_request(request, client_address)  # type: ignore[misc]
+            except BaseException:
+                self.release(client)
+                raise
+            return
+        if not probe:
+            refuse_connection(request, self.cap_reason(client))
             self.shutdown_request(request)  # type: ignore[attr-defined]
             return
+        threading.Thread(target=self.serve_probe, args=(request, client_address, client), daemon=True).start()
+
+    def serve_probe(self, request: Any, client_address: Any, client: str) -> None:
         try:
-            super().process_request(request, client_address)  # type: ignore[misc]
-        except BaseException:
+            ProbeHandler(request, client_address, self)
+        except Exception:  # noqa: S110 - a probe connection that fails is simply closed
+            pass
+        finally:
             with self.connections_lock:
-                self.connections -= 1
-            raise
+                self.probes[client] -= 1
+                if self.probes[client] <= 0:
+                    del self.probes[client]
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+
+    def cap_reason(self, client: str) -> str:
+        if self.per_client[client] >= self.max_per_client:
+            return f"too many open connections from this client (the limit is {self.max_per_client})"
+        return f"too many open connections (the limit is {self.max_connections})"
+
+    def release(self, client: str) -> None:
+        with self.connections_lock:
+            self.connections -= 1
+            self.per_client[client] -= 1
+            if self.per_client[client] <= 0:
+                del self.per_client[client]
 
     def peer(self, sock: socket.socket, address: Any) -> str:
         return peer_identity(sock, address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        client = peer_identity(request, client_address)
         try:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
-            with self.connections_lock:
-                self.connections -= 1
+            self.release(client)
 
 
-def refuse_connection(sock: socket.socket, cap: int) -> None:
+def refuse_connection(sock: socket.socket, reason: str) -> None:
     """503 in OpenAI's shape, written without reading the request (it may never come)."""
-    error = busy(f"too many open connections (the limit is {cap}); retry shortly", "too_many_connections")
+    error = busy(f"{reason}; retry shortly", "too_many_connections")
     body = json.dumps(error.body()).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -79,7 +124,7 @@ class TCPServer(ServerMixin, ThreadingHTTPServer):
     def __init__(self, host: str, port: int, service: Service) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.service = service
-        self.init_cap(service.limits.max_connections)
+        self.init_cap(service.limits.max_connections, service.limits.max_connections_per_client)
         super().__init__((host, port), Handler)
 
     def server_bind(self) -> None:
@@ -94,16 +139,22 @@ class TCPServer(ServerMixin, ThreadingHTTPServer):
 class UnixServer(ServerMixin, ThreadingHTTPServer):
     address_family = socket.AF_UNIX
 
-    def __init__(self, path: Path, service: Service) -> None:
+    def __init__(self, path: Path, service: Service, mode: int = 0o660) -> None:
         self.service = service
         self.path = path
-        self.init_cap(service.limits.max_connections)
+        self.mode = mode
+        self.init_cap(service.limits.max_connections, service.limits.max_connections_per_client)
         super().__init__(str(path), Handler)
 
     def server_bind(self) -> None:
         remove_stale_socket(self.path)
-        socketserver.TCPServer.server_bind(self)
+        old = os.umask(0o177)  # created 0600 at most: never, even for an instant, what the umask allows
+        try:
+            socketserver.TCPServer.server_bind(self)
+        finally:
+            os.umask(old)
         self.bound = True  # from now on the socket file is ours to remove
+        os.chmod(self.path, self.mode)  # the daemon's mode (--socket-mode), not the umask's
         self.server_name, self.server_port = "localhost", 0
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -156,13 +207,13 @@ def parse_listen(text: str) -> tuple[str, int, Path | None]:
     return host.removeprefix("[").removesuffix("]"), int(port), None
 
 
-def make_server(host: str, port: int, unix_socket: Path | None, service: Service) -> TCPServer | UnixServer:
+def make_server(
+    host: str, port: int, unix_socket: Path | None, service: Service, socket_mode: int = 0o660
+) -> TCPServer | UnixServer:
     try:
         if unix_socket is not None:
-            return UnixServer(unix_socket, service)
+            return UnixServer(unix_socket, service, socket_mode)
         return TCPServer(host, port, service)
     except OSError as e:
         where = unix_socket or f"{host}:{port}"
         raise VismmoeError(f"cannot listen on {where}: {e.strerror or e}") from None
-
-
