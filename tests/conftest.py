@@ -45,6 +45,23 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         paths.append(path)
     return paths
 
+@pytest.fixture(scope="session")
+def references(checkpoints: dict[str, Path], images: list[Path]) -> dict:
+    """transformers' own greedy tokens and logits on the v5 checkpoint, once per session (tests/hf_reference.py).
+    Modules that test another checkpoint define their own `references`, which takes precedence."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from tests.hf_reference import hf_references
+    from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor
+    from vismmoe_edge.prompt import encode_prompt, load_image
+
+    model_dir = checkpoints["v5"]
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
+    processor = load_qwen3_vl_processor(model_dir)
+    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
+                         images)  # fmt: skip
+
+
 
 @pytest.fixture()
 def cold_checkpoints(checkpoints, tmp_path: Path) -> dict[str, Path]:

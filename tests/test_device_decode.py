@@ -11,24 +11,13 @@ import torch.nn.functional as F
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vismmoe_edge
-from tests.hf_reference import NEW_TOKENS, Reference, hf_references
+from tests.hf_reference import NEW_TOKENS
 from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.table import ABSENT
 from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.kernels import moe_decode as md
-from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
-from vismmoe_edge.prompt import encode_prompt, load_image
 from vismmoe_edge.sampling import SamplingConfig
-
-
-@pytest.fixture(scope="module")
-def references(checkpoints: dict[str, Path], images: list[Path]) -> dict[str, Reference]:
-    model_dir = checkpoints["v5"]
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
-    processor = load_processor(model_dir)
-    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
-                         images)  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", ["100%", "25%"])

@@ -12,25 +12,12 @@ import vismmoe_edge
 from tests.hf_reference import (
     NEW_TOKENS,
     PROMPTS,
-    Reference,
     assert_matches,
     hf_kwargs,
-    hf_references,
     teacher_forced_logits,
 )
 from vismmoe_edge.config import parse_budget
-from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor as load_processor
-from vismmoe_edge.prompt import encode_prompt, load_image
 from vismmoe_edge.sampling import SamplingConfig
-
-
-@pytest.fixture(scope="module")
-def references(checkpoints: dict[str, Path], images: list[Path]) -> dict[str, Reference]:
-    model_dir = checkpoints["v5"]
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
-    processor = load_processor(model_dir)
-    return hf_references(model, lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths]),
-                         images)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["v5", "hub", "per_expert"])

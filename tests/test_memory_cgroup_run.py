@@ -59,7 +59,7 @@ def test_a_fixed_budget_the_cap_cannot_hold_is_one_line(model):
     (res,) = capped("t-fixed", CAP, cli("run", "--model", str(model), "--prompt", "hi", "--memory-budget", "2GiB",
                                         "--pinned-layers", "0", "--tier", "unified", "--device", "cpu"))  # fmt: skip
     assert not res.oom_killed and res.returncode == 2, res.summary()
-    assert res.stderr.strip().splitlines()[-1].startswith("error: --memory-budget 2GiB")
+    assert res.stderr.strip().splitlines()[-1].startswith("error: --memory-budget 2.00 GiB")
     assert "exceed what the memory cgroup leaves" in res.stderr
 
 

@@ -53,6 +53,7 @@ def plan_command(
             dense_bits=dense_bits,
             group_size=group_size,
             max_context=max_context,
+            takes_c_safe_option=True,
         )
     except VismmoeError as e:
         raise fail(str(e)) from None

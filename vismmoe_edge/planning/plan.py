@@ -185,6 +185,7 @@ def make_plan(
     group_size: int | None = None,
     max_context: int | None = None,
     dtype: torch.dtype | None = None,
+    takes_c_safe_option: bool = False,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
     (MemAvailable on unified memory, free GPU memory on discrete; a Jetson profile on another machine: the
@@ -193,7 +194,8 @@ def make_plan(
     ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
     `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the compute
     dtype float weights are held at (None: the checkpoint's; float16 on the CPU is float32), so that the plan
-    counts what the loader's cache holds."""
+    counts what the loader's cache holds. ``takes_c_safe_option``: the calling command has --c-safe-gib (`plan`;
+    `run` and `serve` take C_safe from the profile), so a refusal may name it."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
@@ -253,7 +255,7 @@ def make_plan(
             f"{model_dir}: {format_bytes(m_e)} left for experts (M_avail {format_bytes(m_avail)} - C_safe "
             f"{format_bytes(c_safe_b)} - resident weights {format_bytes(resident)} - KV, activations and reads "
             f"{format_bytes(others)}) cannot hold one layer's top-{k} experts ({format_bytes(one_layer_topk)}); "
-            + _ways_out(weights, source, context, c_safe_given=c_safe is not None)
+            + _ways_out(weights, source, context, c_safe_option=takes_c_safe_option or c_safe is not None)
         )
 
     if m_e >= n * s_layer:
@@ -375,7 +377,7 @@ def _weights_note(weights: Any) -> str:
     return parts
 
 
-def _ways_out(weights: Any, source: str, context: int, c_safe_given: bool = True) -> str:
+def _ways_out(weights: Any, source: str, context: int, c_safe_option: bool) -> str:
     """What would make it fit, cheapest first."""
     ways = []
     if weights.bits is None:
@@ -385,8 +387,7 @@ def _ways_out(weights: Any, source: str, context: int, c_safe_given: bool = True
     if context > 1024:
         ways.append(f"a shorter --max-context than {context}")
     ways.append("raise the cgroup's limit (MemoryMax=)" if "cgroup" in source else "free memory")
-    # `plan` takes --c-safe-gib; `run` and `serve` take C_safe from the profile only
-    ways.append("lower --c-safe-gib" if c_safe_given else "choose a --profile with a smaller c_safe_gib")
+    ways.append("lower --c-safe-gib" if c_safe_option else "choose a --profile with a smaller c_safe_gib")
     return "; ".join(ways[:-1]) + f" or {ways[-1]}"
 
 
