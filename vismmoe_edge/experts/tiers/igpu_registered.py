@@ -37,7 +37,7 @@ from vismmoe_edge.experts.tiers.host_memory import DeviceArray
 from vismmoe_edge.experts.tiers.igpu import cuda_access
 from vismmoe_edge.experts.tiers.igpu_slots import UnifiedSlotTier
 from vismmoe_edge.experts.tiers.mapped_shards import MappedShards
-from vismmoe_edge.experts.tiers.slot_fill import drop_whole_files
+from vismmoe_edge.experts.tiers.slot_fill import drop_loaded_shards, drop_whole_files
 from vismmoe_edge.hardware import cudart
 from vismmoe_edge.hardware.gpu_access import REGISTERED_TIER, igpu_tier
 from vismmoe_edge.hardware.monitor import notice_once
@@ -221,10 +221,7 @@ class UnifiedRegisteredTier(TierDefaults):
     def after_load(
         self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
     ) -> None:
-        """Nothing of the shards is read through the page cache any more: close the loader's mappings (mapped
-        pages cannot be dropped) and drop the files' pages; registered pages (a registered prefix) stay."""
-        files.close()
-        drop_whole_files({t.shard for t in table.values()})
+        drop_loaded_shards(files, table)
 
     def close(self) -> None:
         for slot in list(self._held):

@@ -30,7 +30,7 @@ from vismmoe_edge.experts.store import ExpertStore, ExpertWeights, ShardFiles
 from vismmoe_edge.experts.tier import TierDefaults
 from vismmoe_edge.experts.tiers.host_memory import HostMemory
 from vismmoe_edge.experts.tiers.igpu import cuda_access
-from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_whole_files
+from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFiller, default_reader, drop_loaded_shards
 from vismmoe_edge.experts.tiers.slots import pin_after_cache
 from vismmoe_edge.hardware import cudart
 from vismmoe_edge.hardware.gpu_access import SLOTS_TIER
@@ -158,10 +158,7 @@ class UnifiedSlotTier(TierDefaults):
     def after_load(
         self, files: ShardFiles, table: dict[str, TensorInfo], catalogue: ExpertCatalogue, pinned_layers: set[int]
     ) -> None:
-        """Nothing of the shards is read through the page cache any more: close the loader's mappings (mapped
-        pages cannot be dropped) and drop the files' pages; registered pages (a registered prefix) stay."""
-        files.close()
-        drop_whole_files({t.shard for t in table.values()})
+        drop_loaded_shards(files, table)
 
     def close(self) -> None:
         self.filler.close()

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vismmoe_edge.checkpoint import TensorInfo
 from vismmoe_edge.experts import pagecache
 from vismmoe_edge.experts.page_ranges import PAGE_SIZE, page_span
+from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.hardware.monitor import notice_once
 
 Piece = tuple[int, int, int]  # (file offset, length, destination address)
@@ -122,6 +124,13 @@ def split(read: Read, alignment: DirectAlignment | None) -> tuple[list[Piece], l
     if off + n > a1:
         buffered.append((a1, off + n - a1, dest + a1 - off))
     return [(a0, a1 - a0, dest + a0 - off)], buffered
+
+
+def drop_loaded_shards(files: ShardFiles, table: dict[str, TensorInfo]) -> None:
+    """After loading, for tiers that read nothing through the page cache any more: close the loader's mappings
+    (mapped pages cannot be dropped) and drop the shards' pages; registered pages (a registered prefix) stay."""
+    files.close()
+    drop_whole_files({t.shard for t in table.values()})
 
 
 def drop_whole_files(paths: Iterable[Path]) -> None:
