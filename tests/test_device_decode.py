@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3VLMoeForConditionalGeneration
+from transformers.activations import ACT2FN
 
 import vismmoe_edge
 from tests.hf_reference import NEW_TOKENS
@@ -20,17 +21,19 @@ from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.sampling import SamplingConfig
 
 
-@pytest.mark.parametrize("budget", ["100%", "25%"])
-def test_device_token_matches_transformers(checkpoints, references, budget: str) -> None:
+@pytest.mark.parametrize(("budget", "fused"), [("100%", False), ("25%", False), ("25%", True)])
+def test_device_token_matches_transformers(checkpoints, references, budget: str, fused: bool) -> None:
+    """`fused`: the layers' attention and router as kernels/decode_layer.py spells them (compiled on CUDA)."""
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget=budget, pinned_layers=1, device="cpu", tier="host")
     engine.static_decode = "on"
     engine.device_decode = "on"
+    engine.compile_decode = fused
     assert engine.uses_static_decode() and engine.uses_device_decode()
     for name, ref in references.items():
         sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
     (decoder,) = engine._decoders.values()
-    assert decoder.on_device
+    assert decoder.on_device and (decoder.fused is not None) == fused
     assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
     tokens = len(references) * (NEW_TOKENS - 1)
     pipeline = engine.experts.pipeline
@@ -82,9 +85,11 @@ def test_fused_gemv_matches_the_torch_path_in_the_interpreter() -> None:
     pool, x = _pool(slots=4, inter=24, hidden=40, dtype=torch.bfloat16)  # shapes that leave partial blocks
     slots, weights = torch.tensor([[3, 1]]), torch.tensor([[0.6, 0.4]])
     assert md.use_triton(pool.gate_up)
-    fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, F.silu).float()
-    ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), F.silu)
-    assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    for act in (F.silu, ACT2FN["silu"], F.gelu):  # SiLU folds into the down GEMV; others run between the two
+        fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, act).float()
+        ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), act)
+        assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert md.is_silu(torch.nn.SiLU()) and md.is_silu(ACT2FN["silu"]) and not md.is_silu(F.gelu)
 
 
 def test_device_sampler_greedy_masks_stop_tokens_until_min_new_tokens() -> None:

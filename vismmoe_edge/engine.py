@@ -139,7 +139,10 @@ class Engine:
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
-        self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
+        # ... with each layer's attention and router compiled by torch.compile on CUDA (kernels/decode_layer.py):
+        # off by default until measured; the first token of each KV capacity then waits for the compiler
+        self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
+        self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -330,11 +333,13 @@ class Engine:
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
         mapped = on_device and self.device_decode_mapped
-        decoder = self._decoders.get((capacity, routed_k, on_device, mapped))
+        fused = on_device and self.compile_decode
+        key = (capacity, routed_k, on_device, mapped, fused)
+        decoder = self._decoders.get(key)
         if decoder is None:
             graphs = self.cuda_graphs and self.device.type == "cuda"
-            decoder = self._decoders[(capacity, routed_k, on_device, mapped)] = StaticDecoder(
-                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped
+            decoder = self._decoders[key] = StaticDecoder(
+                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped, fused=fused
             )
         decoder.start(state.cache)
         state.static = decoder

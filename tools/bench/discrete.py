@@ -228,7 +228,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True, device_decode: str = "off", mapped: bool = False) -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool = False,
+              compiled: bool = False) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -238,6 +239,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         engine._decoders.clear()
     engine.device_decode = device_decode  # the whole token on the device: its routing reaches no route hook
     engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
+    engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -292,6 +294,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "device_decode": bool(decoders),
         "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
+        "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
     }
 
 
@@ -459,7 +462,8 @@ def main() -> None:
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
-                    "device-resident, device-popularity, device-mapped, unified-slots, unified-registered, "
+                    "device-resident, device-resident-compiled, device-popularity, device-mapped, unified-slots, "
+                    "unified-registered, "
                     "device-unified-slots, hf-static, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
@@ -498,9 +502,11 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        if "all-resident" in wanted or "device-resident" in wanted:
+        if wanted & {"all-resident", "device-resident", "device-resident-compiled"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
-        engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
+        budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped"}
+        if wanted & budget_rows:
+            engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
             if name in wanted or f"device-{name}" in wanted:
                 engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)
@@ -518,6 +524,7 @@ def main() -> None:
                 ("budget", "lru", {"policy": "lru"}),
                 ("budget", "graphs-off", {"graphs": False}),
                 ("all-resident", "device-resident", {"device_decode": "auto"}),
+                ("all-resident", "device-resident-compiled", {"device_decode": "auto", "compiled": True}),
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
             ]
@@ -544,15 +551,22 @@ def main() -> None:
                 bound = oracle(ours["routes"], ours["slots"], ours["expert_bytes"], bandwidth,
                                ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
                 results.append({**bound, "routing": mode})
-            set_predictor(engines["budget"], "none", None)
-            engines["budget"].device_decode = "off"
-            profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
-            print("profile", profiles[-1], flush=True)
+            if "budget" in engines:
+                set_predictor(engines["budget"], "none", None)
+                engines["budget"].device_decode = "off"
+                profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
+                print("profile", profiles[-1], flush=True)
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"
+                engines["all-resident"].compile_decode = False
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)
+                if "device-resident-compiled" in wanted:
+                    engines["all-resident"].compile_decode = True
+                    resident = profile_decode(engines["all-resident"], image, replay)
+                    profiles.append({"engine": "every expert resident, device path, compiled layers", **resident})
+                    print("profile", profiles[-1], flush=True)
         for e in engines.values():
             e.experts.pipeline.close()
         engines.clear()
