@@ -39,9 +39,11 @@ def test_attend_and_route_are_transformers_computation(checkpoints, dtype: torch
             b.add_(attn)
             assert torch.equal(a, b) and torch.equal(normed, layer.post_attention_layernorm(b)), i
             assert torch.equal(mine.keys[i], theirs.keys[i]) and torch.equal(mine.values[i], theirs.values[i])
-            index, weights = fused.route(i, normed.view(1, -1))
+            table_row = torch.arange(lm.layers[i].mlp.gate.num_experts, dtype=torch.int32) - 1  # expert 0 absent
+            index, weights, slots, missed = fused.route(i, normed.view(1, -1), table_row)
             _, their_weights, their_index = layer.mlp.gate(normed.view(1, -1))
             assert torch.equal(index, their_index) and torch.equal(weights, their_weights)
+            assert torch.equal(slots, (index - 1).clamp_min(0)) and bool(missed) == bool((index == 0).any())
 
 
 def test_quantized_or_other_layers_keep_the_modules(checkpoints) -> None:
@@ -77,5 +79,6 @@ def test_a_compiler_failure_runs_the_layers_eagerly(checkpoints, monkeypatch: py
         normed = fused.attend(0, hidden, cos_sin, cache)
     assert not fused.compiled and torch.isfinite(normed).all()
     with torch.no_grad():
-        index, _ = fused.route(0, normed.view(1, -1))  # the eager router
+        experts = lm.layers[0].mlp.gate.num_experts
+        index, *_ = fused.route(0, normed.view(1, -1), torch.zeros(experts, dtype=torch.int32))  # the eager router
     assert index.shape == (1, lm.layers[0].mlp.gate.top_k)

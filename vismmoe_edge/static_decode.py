@@ -30,7 +30,7 @@ from vismmoe_edge.experts.promotion import promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
-from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, use_triton
+from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
@@ -310,14 +310,21 @@ class StaticDecoder:
                 continue
             m = self.moe_layers.index(i)
             x = normed.view(-1, normed.shape[-1])
+            table_row = self.table.slots[i]
+            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
+            act = self.moe[i].act_fn
             if replay:
                 index, weights = self.replay_index[m : m + 1], self.replay_weights[m : m + 1]
-            elif fused is not None:
-                index, weights = fused.route(i, x)
+            if fused is not None and host_row is None:  # router and table lookup in the compiled region
+                if replay:
+                    slots, missed = fused.lookup(index, table_row)
+                else:
+                    index, weights, slots, missed = fused.route(i, x, table_row)
+                out = pool_decode(x, slots, weights, pool, act)
             else:
-                _, weights, index = layer.mlp.gate(x)
-            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
-            out, missed = moe_decode(x, index, weights, self.table.slots[i], pool, self.moe[i].act_fn, host_row)
+                if not replay:
+                    _, weights, index = layer.mlp.gate(x)
+                out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
             self.hidden.add_(out.view_as(self.hidden))
             self.routing[m].copy_(index[0])
             self.missed[m].copy_(missed)

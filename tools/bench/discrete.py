@@ -327,10 +327,14 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
     for _ in stream:
         pass
     compute, copies, launches, graph_launches, syncs = [], [], 0, 0, 0
+    kernels: dict[str, list[float]] = {}  # GPU time and count per kernel name, over the window
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
             span = (e.time_range.start, e.time_range.end)
             (copies if "Memcpy" in e.name or "memcpy" in e.name else compute).append(span)
+            entry = kernels.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.time_range.elapsed_us()
+            entry[1] += 1
         elif e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
             launches += 1
         elif e.name in ("cudaGraphLaunch",):
@@ -354,6 +358,10 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
             (e.key, round(e.cpu_time_total / 1000 / tokens, 3))
             for e in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
         ],
+        "gpu_kernels_per_token": sum(n for _, n in kernels.values()) / tokens,
+        # where the GPU's time goes: (kernel, µs per token, launches per token), the 16 costliest
+        "gpu_top": [(name, round(us / tokens, 1), n / tokens)
+                    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]],  # fmt: skip
     }
 
 

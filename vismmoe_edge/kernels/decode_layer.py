@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vismmoe_edge.kernels.moe_decode import lookup
+
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -117,13 +119,14 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
     return attend
 
 
-def make_route(top_k: int) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    def route(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [1, H] -> (index [1, k] long, weights [1, k]), as transformers' Qwen3VLMoeTextTopKRouter."""
+def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def route(x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
+        transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table."""
         logits = F.linear(x, weight)
         top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
-        return index, top.to(logits.dtype)
+        return index, top.to(logits.dtype), *lookup(index, table_row)
 
     return route
 
@@ -154,12 +157,12 @@ class FusedLayers:
         self.shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, a.head_dim, a.scaling,
                                     first.input_layernorm.variance_epsilon, first.mlp.gate.top_k)  # fmt: skip
         self.tensors = [LayerTensors.of(layer) for layer in language_model.layers]
-        self.eager = (make_attend(self.shape), make_route(self.shape.top_k))
+        self.eager = (make_attend(self.shape), make_route(self.shape.top_k), lookup)
         self.compiled = compile
         self.fns = self.eager
         if compile:
             self.fns = tuple(torch.compile(fn, dynamic=False, fullgraph=True) for fn in self.eager)  # type: ignore[assignment]
-        self._proven = not compile  # a compiled attend and route have both returned once
+        self._proven = {0, 1, 2} if not compile else set()  # the functions that have returned once
 
     def attend(
         self, i: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: Any
@@ -168,11 +171,16 @@ class FusedLayers:
         return self._call(0, hidden, cos_sin[0], cos_sin[1], cache.keys[i], cache.values[i], cache.lengths[i : i + 1],
                           cache.positions, t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm, t.ln2)  # fmt: skip
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._call(1, x, self.tensors[i].router)
+    def route(self, i: int, x: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(index, weights, slots, missed) of layer i's router and the expert table."""
+        return self._call(1, x, self.tensors[i].router, table_row)
+
+    def lookup(self, index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under trace replay the routing comes in; only the table lookup runs."""
+        return self._call(2, index, table_row)
 
     def _call(self, which: int, *args: torch.Tensor) -> Any:
-        if self._proven:
+        if which in self._proven:
             return self.fns[which](*args)
         try:  # the compiler fails before any of its kernels runs: nothing has been written yet
             out = self.fns[which](*args)
@@ -181,5 +189,5 @@ class FusedLayers:
                           "eagerly", stacklevel=2)  # fmt: skip
             self.fns, self.compiled = self.eager, False
             out = self.fns[which](*args)
-        self._proven = which == 1
+        self._proven.add(which)
         return out

@@ -45,12 +45,18 @@ def moe_decode(
     """x [1, H], index and weights [1, k] (device), table_row [E] int32 -> (out [1, H], missed: bool scalar).
     `host_row` [E, 2] int64 (ExpertTable.host_addrs[layer]): experts not in a slot are read in place from pinned
     host memory where mapped (the Triton path only)."""
-    slots = table_row.index_select(0, index.view(-1)).view(index.shape)
     if host_row is not None:
+        slots = table_row.index_select(0, index.view(-1)).view(index.shape)
         return mapped_decode(x, index, slots, weights, host_row, pool, act)
-    missed = (slots < 0).any()
-    slots = slots.clamp_min(0).long()  # an absent expert reads slot 0; the caller discards the token
+    slots, missed = lookup(index, table_row)
     return pool_decode(x, slots, weights, pool, act), missed
+
+
+def lookup(index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """index [1, k] -> (slots [1, k] long, missed: bool scalar) through the expert table's row. An absent expert
+    reads slot 0: the caller discards the token."""
+    slots = table_row.index_select(0, index.view(-1)).view(index.shape)
+    return slots.clamp_min(0).long(), (slots < 0).any()
 
 
 def pool_decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: Any, act: Act) -> torch.Tensor:
