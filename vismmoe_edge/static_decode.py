@@ -266,15 +266,8 @@ class StaticDecoder:
         self.table = ExpertTable(len(self.lm.layers), num_experts, self.device)
         self.mapped_experts = 0
         tier = self.engine.experts.pipeline.tier
-        mirror = getattr(tier, "mirror", None)
-        if (
-            mapped
-            and on_gpu
-            and mirror is not None
-            and getattr(tier, "form", None) is None
-            and use_triton(tier.gate_up)
-        ):
-            self.mapped_experts = self.table.map_host(mirror, self.engine.catalogue, tier.gate_up.dtype)
+        if mapped and on_gpu and tier.mirror is not None and tier.form is None and use_triton(tier.gate_up):
+            self.mapped_experts = self.table.map_host(tier.mirror, self.engine.catalogue, tier.gate_up.dtype)
         if mapped and not self.mapped_experts:
             warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "
                           "host tier and an untransposed bf16/fp16 checkpoint): absent experts redo the token",
