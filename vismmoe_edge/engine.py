@@ -28,6 +28,7 @@ from vismmoe_edge.detokenize import TextStream
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
+from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.ops import PrefillOps
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
@@ -112,8 +113,10 @@ class Engine:
         is_demo: bool = False,
         pinned_layers: int = 0,
         ops: PrefillOps,
+        files: ShardFiles | None = None,
     ) -> None:
         self.model = model
+        self.files = files  # the shards' maps, unmapped by close()
         self.ops = ops  # the family's vision, positions and DeepStack
         self.processor = processor
         self.experts = experts
@@ -143,6 +146,23 @@ class Engine:
         # off by default until measured; the first token of each KV capacity then waits for the compiler
         self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
+
+    def close(self) -> None:
+        """Stop the expert I/O and predictor threads and unmap the shards no tensor views any more; the engine is
+        not used after. A service that reloads models calls it (or `with vismmoe_edge.load(...) as engine:`)."""
+        rt = self.experts
+        if rt.predictor_worker is not None:
+            rt.predictor_worker.close()
+        rt.pipeline.close()
+        self._decoders.clear()
+        if self.files is not None:
+            self.files.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
