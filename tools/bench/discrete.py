@@ -475,6 +475,8 @@ def main() -> None:
                     "device-unified-slots, hf-static, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
+    ap.add_argument("--compile-device-rows", action="store_true",
+                    help="every device-* row with its layers compiled (engine.compile_decode)")
     ap.add_argument("--worker", choices=["accelerate", "hf-resident", "hf-static"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.strategies_given = args.strategies is not None
@@ -546,6 +548,8 @@ def main() -> None:
                 for engine_name, name, kw in configs:
                     engine = engines[engine_name]
                     set_predictor(engine, "learned" if name == "learned" else "none", args.predictor_file)
+                    if args.compile_device_rows and kw.get("device_decode", "off") != "off":
+                        kw = {**kw, "compiled": True}
                     r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
                     trials[name].append(r)
                     print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)

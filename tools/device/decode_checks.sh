@@ -12,7 +12,7 @@
 #   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
 #                                                 resident and 20 GiB with popularity, host path and device path
 #                                                 (slots only, and reading in place from the host tier), and
-#                                                 unified-slots forced on the device path; profiles of both paths
+#                                                 unified-slots forced on the device path (device rows with compiled layers); profiles
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
@@ -112,7 +112,7 @@ bench|bench-int4)
     fi
     timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 --new-tokens 16 \
         --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" --skip-accelerate \
-        --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
+        --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
     ;;
 *)
     echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4 or compiled"; exit 2 ;;
