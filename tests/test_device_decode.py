@@ -254,3 +254,22 @@ def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows
         assert not table.arriving and int(table.slots[1, 5]) >= 0 and int(table.slots[1, 2]) == ABSENT
     finally:
         pipeline.close()
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_fused_int8_gemv_matches_the_dequantized_weights_in_the_interpreter() -> None:
+    """int8 records read in place by the Triton kernel (codes and row scales from each slot's record)."""
+    from tests.test_quant_pool import make_pool, reference, rel
+    from vismmoe_edge.quant.packing import ROWMAJOR
+    from vismmoe_edge.quant.slot_form import SlotForm
+
+    spec, records, dense = make_pool(8, ROWMAJOR)
+    form = SlotForm.for_device(spec, torch.device("cpu"))
+    assert md.use_triton_int8(records, form)
+    x = torch.randn(1, spec.hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[5, 0, 3, 2]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    ref = reference(x.float(), slots, weights, dense)
+    for act in (F.silu, F.gelu):  # SiLU folded into the down GEMV; another activation between the two
+        out = md.fused_decode_int8(x, slots, weights, records, form, act)
+        want = ref if act is F.silu else md.decode_quantized(x.float(), slots, weights, records, form, act).float()
+        assert rel(out, want) < 2e-2, act

@@ -183,9 +183,46 @@ def moe_layer() -> dict:
         mapped = mapped_layer(x, sel, w, gate_up, down, timed, in_graph)
     except Exception as e:  # noqa: BLE001
         mapped = {"mapped_error": f"{type(e).__name__}: {e}"}
+    try:
+        int8 = int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph)
+    except Exception as e:  # noqa: BLE001
+        int8 = {"int8_error": f"{type(e).__name__}: {e}"}
     return {"ok": err < 2e-2 and fused_us <= 2 * bound_us, "hbm_gb_s": hbm / 1e9, "byte_bound_us": bound_us,
             "fused_us": fused_us, "torch_us": torch_us, "fused_over_bound": fused_us / bound_us,
-            "relative_error": err, **mapped}  # fmt: skip
+            "relative_error": err, **mapped, **int8}  # fmt: skip
+
+
+def int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]
+    """The same layer from int8 records (quant/record.py) read in place by the Triton kernel, against the int8
+    byte bound and the dequantize-then-GEMM path; error against the dequantized weights (reported only)."""
+    from vismmoe_edge.experts.quant_pool import decode_quantized
+    from vismmoe_edge.kernels import moe_decode as md
+    from vismmoe_edge.quant.config import make_config
+    from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
+    from vismmoe_edge.quant.packing import ROWMAJOR
+    from vismmoe_edge.quant.record import ExpertSpec, encode_expert
+    from vismmoe_edge.quant.slot_form import SlotForm
+
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    spec = ExpertSpec(make_config(8, None, ROWMAJOR), hidden, inter)
+    rows = []
+    for s in range(gate_up.shape[0]):
+        parts = encode_expert(spec, gate_up[s].float().cpu(), down[s].float().cpu())
+        rows.append(torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]))
+    records = torch.stack(rows).to(gate_up.device)
+    form = SlotForm.for_device(spec, gate_up.device)
+    fused = lambda: md.fused_decode_int8(x, sel, w, records, form, F.silu)  # noqa: E731
+    dequant = lambda: decode_quantized(x, sel, w, records, form, F.silu)  # noqa: E731
+    ref_w = [dequantize_expert(expert_views(records[s].cpu(), spec)) for s in sel[0].tolist()]
+    ref = torch.zeros(1, hidden)
+    for j, (g, d) in enumerate(ref_w):
+        gate, up = F.linear(x.float().cpu(), g).chunk(2, dim=-1)
+        ref += F.linear(F.silu(gate) * up, d) * float(w[0, j])
+    err = float((fused().float().cpu() - ref).abs().max() / ref.abs().max())
+    bound_us = sel.shape[1] * spec.nbytes / hbm * 1e6
+    int8_us, dequant_us = timed(in_graph(fused)), timed(in_graph(dequant))
+    return {"int8_us": int8_us, "int8_byte_bound_us": bound_us, "int8_over_bound": int8_us / bound_us,
+            "int8_dequantize_path_us": dequant_us, "int8_relative_error": err}  # fmt: skip
 
 
 def mapped_layer(x, sel, w, gate_up, down, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]

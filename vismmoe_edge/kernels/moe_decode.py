@@ -4,13 +4,14 @@
 computes the experts from their slots and flags a miss (an expert the table says is absent). Everything is device
 ops of fixed shape, so a CUDA graph replays it; on a miss the output is garbage and the caller redoes the token.
 
-- bf16 / fp16 slot pools on CUDA with Triton: a fused gather + GEMV (`_gemv_kernel`, then `_gemv_silu_kernel`
-  for the down projection with the activation and the routing weight folded in): each program reads its
-  expert's slot id from the device, then streams a block of that expert's rows straight from the pool. No
+- bf16 / fp16 slot pools and int8 records on CUDA with Triton: a fused gather + GEMV (`_gemv_kernel`; for the
+  down projection with the activation and the routing weight folded in): each program reads its expert's slot
+  id from the device, then streams a block of that expert's rows straight from the pool (int8: codes and row
+  scales read in place from the slot's record, dequantized in registers). No
   gathered copy of the k experts is made, which the torch path's `index_select` does (it writes and rereads
   k * 9.4 MB per layer at 30B-A3B shapes), and a GEMV at batch 1 reads memory at a far larger fraction of
   its bandwidth than cuBLAS's batched GEMM (the issue's probe: ~610 GB/s of 4.3 TB/s).
-- everything else (the CPU, float32 pools, quantized records, no Triton): the pool's own decode functions on the
+- everything else (the CPU, float32 pools, int4 records, no Triton): the pool's own decode functions on the
   looked-up slots (pool_compute.decode_experts, quant_pool.decode_quantized); on the CPU this is exactly the
   computation of the per-layer path, so the CPU stays exact against transformers.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +65,8 @@ def pool_decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
     """x [1, H], slots and weights [1, k] -> [1, H] from `pool` (a SlotPoolTier or QuantSlotPoolTier)."""
     form = getattr(pool, "form", None)
     if form is not None:
+        if use_triton_int8(pool.records, form):
+            return fused_decode_int8(x, slots, weights, pool.records, form, act)
         return decode_quantized(x, slots, weights, pool.records, form, act)
     if use_triton(pool.gate_up):
         return fused_decode(x, slots, weights, pool.gate_up, pool.down, act)
@@ -116,23 +120,69 @@ def use_triton(w: torch.Tensor) -> bool:
     return HAS_TRITON and (w.is_cuda or INTERPRET) and dtype_ok
 
 
+def use_triton_int8(records: torch.Tensor, form: Any) -> bool:
+    """int8 records (row-major codes, one bf16 scale per row: quant/record.py) on CUDA with Triton."""
+    return HAS_TRITON and (records.is_cuda or INTERPRET) and form.spec.quant.bits == 8
+
+
 def fused_decode(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
 ) -> torch.Tensor:
-    """The Triton path: gate_up GEMV over the k slots; for SiLU experts (every family we run) the down GEMV
-    computes silu(gate) * up as it loads its input and scales each expert's rows by its weight, so a layer is two
-    kernels and a sum; other activations take the activation in torch between the GEMVs. Accumulates in
-    float32; the inner activation is rounded to the weights' dtype, as transformers' bf16 experts do."""
+    """The Triton path over float pools [S, 2I, H] and [S, H, I]."""
+    return _two_gemvs(x, slots, weights, act, SlotMatrix.of_pool(gate_up), SlotMatrix.of_pool(down))
+
+
+def fused_decode_int8(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: Any, act: Act
+) -> torch.Tensor:
+    """The Triton path over int8 records [S, nbytes]: codes and row scales read in place from each slot's record,
+    dequantized in registers (w = code * scale, summed in float32)."""
+    fields = {f.name: f for f in form.spec.fields}
+    matrices = [SlotMatrix.of_int8(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
+                                   fields[f"{m}.scales"].offset) for m in ("gate_up_proj", "down_proj")]  # fmt: skip
+    return _two_gemvs(x, slots, weights, act, *matrices)
+
+
+@dataclass(frozen=True)
+class SlotMatrix:
+    """Where one matrix [N, K] of every slot is: a float pool (`stride_row` elements between rows), or int8
+    records (codes at byte `q_off` of each record, row-major; a bf16 scale per row at byte `s_off`)."""
+
+    base: torch.Tensor
+    n: int
+    k: int
+    stride_slot: int
+    stride_row: int
+    int8: bool = False
+    q_off: int = 0
+    s_off: int = 0
+
+    @staticmethod
+    def of_pool(w: torch.Tensor) -> SlotMatrix:
+        return SlotMatrix(w, w.shape[1], w.shape[2], w.stride(0), w.stride(1))
+
+    @staticmethod
+    def of_int8(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int) -> SlotMatrix:
+        n, k = shape
+        return SlotMatrix(records, n, k, records.stride(0), k, int8=True, q_off=q_off, s_off=s_off)
+
+
+def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act: Act, gate_up: SlotMatrix,
+               down: SlotMatrix) -> torch.Tensor:  # fmt: skip
+    """gate_up GEMV over the k slots; for SiLU experts (every family we run) the down GEMV computes
+    silu(gate) * up as it loads its input and scales each expert's rows by its routing weight, so a layer is two
+    kernels and a sum; other activations run in torch between the GEMVs. Accumulates in float32; the inner
+    activation is rounded to the compute dtype, as transformers' bf16 experts do."""
     k = slots.shape[1]
     slot_ids = slots.view(-1).to(torch.int32)
-    h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1))  # [k, 2I] float32
+    mix = weights.view(-1).float()
+    h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
     if is_silu(act):
-        y = gemv_silu(down, slot_ids, h, weights.view(-1).float(), x.dtype)  # [k, H] float32, weighted
+        y = gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted
         return y.sum(0, keepdim=True).to(x.dtype)
     gate, up = h.chunk(2, dim=-1)
-    inner = (act(gate) * up).to(x.dtype)
-    y = gemv(down, slot_ids, inner)  # [k, H] float32
-    return (y * weights[0, :, None].float()).sum(0, keepdim=True).to(x.dtype)
+    y = gemv(down, slot_ids, (act(gate) * up).to(x.dtype), mix)  # [k, H] float32
+    return (y * mix[:, None]).sum(0, keepdim=True).to(x.dtype)
 
 
 def is_silu(act: Act) -> bool:
@@ -140,27 +190,18 @@ def is_silu(act: Act) -> bool:
     return act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def gemv(w: torch.Tensor, slot_ids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """w [S, N, K] (a pool), slot_ids [k] int32, v [k, K] -> [k, N] float32: out[e] = w[slot_ids[e]] @ v[e]."""
-    k = slot_ids.shape[0]
-    _, n, kk = w.shape
-    out = torch.empty(k, n, dtype=torch.float32, device=w.device)
-    kernel = _kernels()[0]
-    kernel[_grid(k, n)](w, slot_ids, v.contiguous(), out, n, kk, w.stride(0), w.stride(1), **_blocks(kk))
-    return out
-
-
-def gemv_silu(
-    w: torch.Tensor, slot_ids: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+def gemv(
+    w: SlotMatrix, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, *, silu_of: torch.dtype | None = None
 ) -> torch.Tensor:
-    """w [S, N, I] (the down pool), h [k, 2I] float32 (gate | up), scale [k] float32 ->
-    [k, N] float32: out[e] = scale[e] * w[slot_ids[e]] @ round(silu(gate[e]) * up[e])."""
+    """slot_ids [k] int32 -> [k, N] float32: out[e] = W[slot_ids[e]] @ v[e]. `silu_of` (the down projection of
+    SiLU experts): v [k, 2K] holds gate | up in float32, the input is silu(gate) * up rounded to that dtype, and
+    out[e] is scaled by mix[e]."""
     k = slot_ids.shape[0]
-    _, n, kk = w.shape
-    out = torch.empty(k, n, dtype=torch.float32, device=w.device)
-    kernel = _kernels()[2]
-    kernel[_grid(k, n)](w, slot_ids, h.contiguous(), scale.contiguous(), out, n, kk, w.stride(0), w.stride(1),
-                        ROUND_BF16=dtype == torch.bfloat16, **_blocks(kk))  # fmt: skip
+    out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
+    _kernels()[0][_grid(k, w.n)](
+        w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.stride_row, w.q_off, w.s_off,
+        SILU=silu_of is not None, ROUND_BF16=silu_of == torch.bfloat16, INT8=w.int8, **_blocks(w.k),
+    )  # fmt: skip
     return out
 
 
@@ -195,47 +236,44 @@ def _kernels():  # type: ignore[no-untyped-def]
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
                                    (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (16, 1024, 8))]  # fmt: skip
-        return triton.autotune(configs=configs, key=["N", "K"])(fn)
+        return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
 
+    # fmt: off
     @tuned
     @triton.jit
-    def _gemv_kernel(w, slot_ids, v, out, N, K, stride_slot, stride_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, stride_row, q_off, s_off, SILU: tl.constexpr,
+                     ROUND_BF16: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # fmt: on
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_ids + e).to(tl.int64)
-        base = w + slot * stride_slot
+        if INT8:  # w is the uint8 records: this slot's codes (int8, row-major) and row scales (bf16)
+            record = w + slot * stride_slot
+            base = (record + q_off).to(tl.pointer_type(tl.int8))
+        else:
+            base = w + slot * stride_slot
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
-            b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(b * a[None, :], axis=1)
-        tl.store(out + e * N + rows, acc, mask=rows < N)
-
-    @tuned
-    @triton.jit
-    def _gemv_silu_kernel(w, slot_ids, h, scale, out, N, K, stride_slot, stride_row, ROUND_BF16: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        # K is the inner size I; h holds [gate (I) | up (I)] per expert, float32
-        e = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot = tl.load(slot_ids + e).to(tl.int64)
-        base = w + slot * stride_slot
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            gate = tl.load(h + e * 2 * K + cols, mask=cols < K, other=0.0)
-            up = tl.load(h + e * 2 * K + K + cols, mask=cols < K, other=0.0)
-            a = gate * tl.sigmoid(gate) * up
-            if ROUND_BF16:  # the inner activation in the weights' dtype, as the torch path rounds it
-                a = a.to(tl.bfloat16).to(tl.float32)
+            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
+                gate = tl.load(v + e * 2 * K + cols, mask=cols < K, other=0.0)
+                up = tl.load(v + e * 2 * K + K + cols, mask=cols < K, other=0.0)
+                a = gate * tl.sigmoid(gate) * up
+                if ROUND_BF16:  # the inner activation in the compute dtype, as the torch path rounds it
+                    a = a.to(tl.bfloat16).to(tl.float32)
+                else:
+                    a = a.to(tl.float16).to(tl.float32)
             else:
-                a = a.to(tl.float16).to(tl.float32)
+                a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
-        tl.store(out + e * N + rows, acc * tl.load(scale + e), mask=rows < N)
+        if INT8:
+            scales = (record + s_off).to(tl.pointer_type(tl.bfloat16))
+            acc = acc * tl.load(scales + rows, mask=rows < N, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc * tl.load(mix + e)
+        tl.store(out + e * N + rows, acc, mask=rows < N)
 
     @triton.jit
     def _gemv_at_kernel(addrs, v, out, N, K, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -255,5 +293,5 @@ def _kernels():  # type: ignore[no-untyped-def]
             acc += tl.sum(b * a[None, :], axis=1)
         tl.store(out + e * N + rows, acc, mask=rows < N)
 
-    _compiled = (_gemv_kernel, _gemv_at_kernel, _gemv_silu_kernel)
+    _compiled = (_gemv_kernel, _gemv_at_kernel)
     return _compiled
