@@ -278,6 +278,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "routing": "trace-replay" if replay is not None else "sampled",
         "slots": pipeline.capacity,
         "prefill_s": times[0] - start,
+        "first_decode_s": times[1] - times[0],  # a new decoder's capture (and compilation) lands here
         "decode_s_per_token": statistics.median(steps),
         "decode_tokens_per_s": 1 / statistics.median(steps),
         "hit_rate": s["hit_rate"],
