@@ -33,7 +33,9 @@ def test_attend_and_route_are_transformers_computation(checkpoints, dtype: torch
             hidden = torch.randn(1, 1, hidden_size, generator=g).to(dtype)
             cos, sin = lm.rotary_emb(hidden, positions)
             a, b = hidden.clone(), hidden.clone()
-            normed = fused.attend(i, a, (cos, sin), mine)
+            experts = torch.randn(1, hidden_size, generator=g).to(dtype)  # the previous layer's, as the CPU gives
+            normed = fused.attend(i, experts, a, (cos, sin), mine)
+            b.add_(experts.view_as(b))
             attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(b), position_embeddings=(cos, sin),
                                       attention_mask=theirs.mask(i, dtype), cache=theirs)  # fmt: skip
             b.add_(attn)
@@ -76,7 +78,7 @@ def test_a_compiler_failure_runs_the_layers_eagerly(checkpoints, monkeypatch: py
     with torch.no_grad():
         cos_sin = lm.rotary_emb(hidden, torch.full((3, 1, 1), 3, dtype=torch.long))
     with torch.no_grad(), pytest.warns(UserWarning, match="no C compiler"):
-        normed = fused.attend(0, hidden, cos_sin, cache)
+        normed = fused.attend(0, torch.zeros(1, lm.config.hidden_size), hidden, cos_sin, cache)
     assert not fused.compiled and torch.isfinite(normed).all()
     with torch.no_grad():
         experts = lm.layers[0].mlp.gate.num_experts

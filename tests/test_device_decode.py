@@ -89,6 +89,8 @@ def test_fused_gemv_matches_the_torch_path_in_the_interpreter() -> None:
         fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, act).float()
         ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), act)
         assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+        rows = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=False)  # summed by the caller
+        assert rows.shape == (2, 40) and torch.equal(rows.sum(0, keepdim=True).to(x.dtype).float(), fused)
     assert md.is_silu(torch.nn.SiLU()) and md.is_silu(ACT2FN["silu"]) and not md.is_silu(F.gelu)
 
 

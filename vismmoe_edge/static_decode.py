@@ -190,11 +190,14 @@ class StaticDecoder:
         # the device token's attention and router as explicit tensor code, compiled on CUDA (eager elsewhere: the
         # CPU check that it is transformers' computation)
         self.fused: FusedLayers | None = None
+        self.no_experts: torch.Tensor | None = None
         if fused and on_device and supports_fused(self.lm, set(self.moe)):
             compile = on_gpu and HAS_TRITON
             if on_gpu and not compile:
                 warnings.warn("torch.compile needs Triton: the decode layers run eagerly", stacklevel=2)
             self.fused = FusedLayers(self.lm, compile=compile)
+            # the first layer's "previous experts": zeros of the shape the Triton path gives (one compilation)
+            self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync
@@ -295,9 +298,13 @@ class StaticDecoder:
             self.replay_weights.copy_(self.host_replay_weights, non_blocking=True)
         pool = self.engine.experts.pipeline.tier.pool
         fused = self.fused
+        experts = self.no_experts  # fused: a layer's expert outputs, summed into the residual by the next attend
         for i in range(len(self.lm.layers)):
             layer = self.lm.layers[i]
-            normed = self._attend(i) if fused is None else fused.attend(i, self.hidden, self.cos_sin, self.cache)
+            if fused is None:
+                normed = self._attend(i)
+            else:
+                normed = fused.attend(i, experts, self.hidden, self.cos_sin, self.cache)
             if i not in self.moe:
                 self.hidden.add_(layer.mlp(normed))
                 continue
@@ -313,14 +320,19 @@ class StaticDecoder:
                     slots, missed = fused.lookup(index, table_row)
                 else:
                     index, weights, slots, missed = fused.route(i, x, table_row)
-                out = pool_decode(x, slots, weights, pool, act)
+                out = pool_decode(x, slots, weights, pool, act, summed=False)
             else:
                 if not replay:
                     _, weights, index = layer.mlp.gate(x)
                 out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
-            self.hidden.add_(out.view_as(self.hidden))
+            if fused is None:
+                self.hidden.add_(out.view_as(self.hidden))
+            else:
+                experts = out
             self.routing[m].copy_(index[0])
             self.missed[m].copy_(missed)
+        if fused is not None:
+            self.hidden.add_(experts.sum(0).to(self.hidden.dtype).view_as(self.hidden))
         self._tail()
         self.sampler.choose(self.logits)
         self.finite.copy_(torch.isfinite(self.logits).all().view(1))

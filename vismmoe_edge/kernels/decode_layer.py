@@ -76,7 +76,8 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
     groups = heads // kv_heads
 
     def attend(
-        hidden: torch.Tensor,  # [1, 1, H], the residual stream: attention is added in place
+        experts: torch.Tensor,  # [r, H]: the previous layer's expert outputs, weighted, summed in here first
+        hidden: torch.Tensor,  # [1, 1, H], the residual stream: experts and attention are added in place
         cos: torch.Tensor,
         sin: torch.Tensor,
         keys: torch.Tensor,  # [1, kv_heads, capacity, d]: this position's K/V are written in place
@@ -93,6 +94,7 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         ln2: torch.Tensor,
     ) -> torch.Tensor:
         """Returns the post-attention norm of the updated residual, [1, 1, H]."""
+        hidden.add_(experts.sum(0).to(hidden.dtype).view_as(hidden))
         h = rms_norm(hidden, ln1, shape.eps)
         q = rms_norm(F.linear(h, q_w).view(1, 1, heads, d), q_norm, shape.eps).transpose(1, 2)
         k = rms_norm(F.linear(h, k_w).view(1, 1, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
@@ -165,11 +167,15 @@ class FusedLayers:
         self._proven = {0, 1, 2} if not compile else set()  # the functions that have returned once
 
     def attend(
-        self, i: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: Any
-    ) -> torch.Tensor:
+        self, i: int, experts: torch.Tensor, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer i's attention, after adding the previous layer's expert outputs `experts` [r, H] (rows summed;
+        zeros for the first layer) to the residual `hidden`."""
         t = self.tensors[i]
-        return self._call(0, hidden, cos_sin[0], cos_sin[1], cache.keys[i], cache.values[i], cache.lengths[i : i + 1],
-                          cache.positions, t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm, t.ln2)  # fmt: skip
+        kv = (cache.keys[i], cache.values[i], cache.lengths[i : i + 1], cache.positions)
+        weights = (t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm, t.ln2)
+        return self._call(0, experts, hidden, *cos_sin, *kv, *weights)
 
     def route(self, i: int, x: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(index, weights, slots, missed) of layer i's router and the expert table."""

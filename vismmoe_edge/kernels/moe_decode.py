@@ -61,15 +61,19 @@ def lookup(index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, 
     return slots.clamp_min(0).long(), (slots < 0).any()
 
 
-def pool_decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: Any, act: Act) -> torch.Tensor:
-    """x [1, H], slots and weights [1, k] -> [1, H] from `pool` (a SlotPoolTier or QuantSlotPoolTier)."""
+def pool_decode(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: Any, act: Act, *, summed: bool = True
+) -> torch.Tensor:
+    """x [1, H], slots and weights [1, k] -> [1, H] from `pool` (a SlotPoolTier or QuantSlotPoolTier). Not
+    `summed`: the Triton paths return each expert's weighted output [k, H] in float32, for the caller to sum
+    where it can fuse the sum (kernels/decode_layer.py); the others [1, H] as ever."""
     form = getattr(pool, "form", None)
     if form is not None:
         if use_triton_int8(pool.records, form):
-            return fused_decode_int8(x, slots, weights, pool.records, form, act)
+            return fused_decode_int8(x, slots, weights, pool.records, form, act, summed=summed)
         return decode_quantized(x, slots, weights, pool.records, form, act)
     if use_triton(pool.gate_up):
-        return fused_decode(x, slots, weights, pool.gate_up, pool.down, act)
+        return fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=summed)
     return decode_experts(x, slots, weights, pool.gate_up, pool.down, act)
 
 
@@ -126,21 +130,37 @@ def use_triton_int8(records: torch.Tensor, form: Any) -> bool:
 
 
 def fused_decode(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Act,
+    *,
+    summed: bool = True,
 ) -> torch.Tensor:
     """The Triton path over float pools [S, 2I, H] and [S, H, I]."""
-    return _two_gemvs(x, slots, weights, act, SlotMatrix.of_pool(gate_up), SlotMatrix.of_pool(down))
+    y = _two_gemvs(x, slots, weights, act, SlotMatrix.of_pool(gate_up), SlotMatrix.of_pool(down))
+    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
 
 
 def fused_decode_int8(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: Any, act: Act
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    form: Any,
+    act: Act,
+    *,
+    summed: bool = True,
 ) -> torch.Tensor:
     """The Triton path over int8 records [S, nbytes]: codes and row scales read in place from each slot's record,
     dequantized in registers (w = code * scale, summed in float32)."""
     fields = {f.name: f for f in form.spec.fields}
     matrices = [SlotMatrix.of_int8(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
                                    fields[f"{m}.scales"].offset) for m in ("gate_up_proj", "down_proj")]  # fmt: skip
-    return _two_gemvs(x, slots, weights, act, *matrices)
+    y = _two_gemvs(x, slots, weights, act, *matrices)
+    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
 
 
 @dataclass(frozen=True)
@@ -171,18 +191,16 @@ def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act:
                down: SlotMatrix) -> torch.Tensor:  # fmt: skip
     """gate_up GEMV over the k slots; for SiLU experts (every family we run) the down GEMV computes
     silu(gate) * up as it loads its input and scales each expert's rows by its routing weight, so a layer is two
-    kernels and a sum; other activations run in torch between the GEMVs. Accumulates in float32; the inner
-    activation is rounded to the compute dtype, as transformers' bf16 experts do."""
+    kernels; other activations run in torch between the GEMVs. Returns each expert's weighted output [k, H] in
+    float32; the inner activation is rounded to the compute dtype, as transformers' bf16 experts do."""
     k = slots.shape[1]
     slot_ids = slots.view(-1).to(torch.int32)
     mix = weights.view(-1).float()
     h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
     if is_silu(act):
-        y = gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted
-        return y.sum(0, keepdim=True).to(x.dtype)
+        return gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted
     gate, up = h.chunk(2, dim=-1)
-    y = gemv(down, slot_ids, (act(gate) * up).to(x.dtype), mix)  # [k, H] float32
-    return (y * mix[:, None]).sum(0, keepdim=True).to(x.dtype)
+    return gemv(down, slot_ids, (act(gate) * up).to(x.dtype), mix) * mix[:, None]
 
 
 def is_silu(act: Act) -> bool:
