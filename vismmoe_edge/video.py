@@ -216,3 +216,24 @@ def clip_from_images(images: list[Any], settings: VideoSettings, where: str = "f
 
 def one_line(error: Exception) -> str:
     return " ".join(str(error).split())[:200]
+
+
+def read_clips(
+    processor: Any, files: list[Path], frame_lists: list[str], settings: VideoSettings, frame_pixels: int
+) -> list[Clip]:
+    """`run`'s clips: each --video file, then each --video-frames list, with frames of at most `frame_pixels`."""
+    from vismmoe_edge.models.video_processing import set_frame_pixels
+    from vismmoe_edge.prompt import load_image
+
+    if not files and not frame_lists:
+        return []
+    set_frame_pixels(processor, frame_pixels)
+    clips = [read_video(path, settings, processor.video_processor, f"--video {path}") for path in files]
+    for spec in frame_lists:
+        images = [load_image(name) for name in split_frames(spec)]
+        clips.append(clip_from_images(images, settings, f"--video-frames {spec[:60]}"))
+    return clips
+
+
+def split_frames(spec: str) -> list[str]:
+    return [name.strip() for name in spec.split(",") if name.strip()]
