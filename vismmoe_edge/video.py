@@ -188,9 +188,7 @@ def decode_clip(source: bytes | Path, header: VideoHeader, indices: list[int], w
     return Clip(np.stack(kept), header.fps, found, header.total_frames)
 
 
-def read_video(
-    path: str | Path, settings: VideoSettings, video_processor: Any, where: str | None = None
-) -> Clip:
+def read_video(path: str | Path, settings: VideoSettings, video_processor: Any, where: str | None = None) -> Clip:
     """A video file's kept frames (run --video)."""
     path = Path(path)
     where = where or str(path)

@@ -126,8 +126,6 @@ class MRopeOps(NoDeepStack):
         return [torch.arange(n) for n in self.visual_token_counts(model, grid)]  # every token is a patch group
 
 
-
-
 def join_in_prompt_order(
     images: VisualFeatures, videos: VisualFeatures, image_mask: torch.Tensor, video_mask: torch.Tensor
 ) -> VisualFeatures:
