@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from vismmoe_edge.errors import VismmoeError
-
-if TYPE_CHECKING:
-    from vismmoe_edge.video import Clip
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # refuse decompression bombs before the processor resizes them
 
@@ -60,7 +57,7 @@ def build_messages(prompt: str, num_images: int, num_videos: int = 0) -> list[di
     return [{"role": "user", "content": content}]
 
 
-def encode_prompt(processor: Any, prompt: str, images: list[Image.Image], videos: list[Clip] = ()) -> PromptInputs:
+def encode_prompt(processor: Any, prompt: str, images: list[Image.Image], videos: list[Any] = ()) -> PromptInputs:
     if not prompt.strip():
         raise VismmoeError("the prompt is empty; pass --prompt TEXT")
     return encode_messages(processor, build_messages(prompt, len(images), len(videos)), images, videos)
@@ -77,11 +74,11 @@ def count_parts(messages: list[dict[str, Any]], kind: str) -> int:
 
 
 def encode_messages(
-    processor: Any, messages: list[dict[str, Any]], images: list[Image.Image], videos: list[Clip] = ()
+    processor: Any, messages: list[dict[str, Any]], images: list[Image.Image], videos: list[Any] = ()
 ) -> PromptInputs:
     """A whole conversation (transformers' content-list format, `{"type": "image"}` where each image goes and
-    `{"type": "video"}` where each clip goes, in the order of `images` and `videos`) through the checkpoint's chat
-    template, ready for the assistant's reply."""
+    `{"type": "video"}` where each clip goes, in the order of `images` and `videos`: video.Clip, which imports this
+    module) through the checkpoint's chat template, ready for the assistant's reply."""
     for kind, given in (("image", len(images)), ("video", len(videos))):
         if count_parts(messages, kind) != given:
             raise VismmoeError(f"the messages hold {count_parts(messages, kind)} {kind} parts but {given} were given")
