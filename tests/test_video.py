@@ -114,7 +114,16 @@ def test_frames_beside_an_image_answer_as_transformers_does(demo_pair) -> None:
     clip = clip_from_images([frame(i, (64, 64)) for i in range(3)], VideoSettings(fps=1.0))
     inputs = engine.encode("Is the circle in both?", [frame(5, (96, 96))], [clip])
     assert inputs.pixel_values is not None and inputs.video_grid_thw.tolist() == [[2, 4, 4]]  # 3 frames padded
-    assert our_tokens(engine, inputs) == hf_tokens(model, inputs)
+    tokens = our_tokens(engine, inputs)
+    assert tokens == hf_tokens(model, inputs)
+    from vismmoe_edge.compress.config import CompressionConfig
+
+    engine.compression = CompressionConfig("random", 0.5)
+    try:  # a prompt with a clip is not compressed, and says so
+        assert our_tokens(engine, inputs) == tokens
+        assert engine.last_compression.note == "not applied: video tokens are not compressed"
+    finally:
+        engine.compression = CompressionConfig()
 
 
 # ---- the processor ----------------------------------------------------------------------------------
