@@ -372,7 +372,7 @@ def parse_part(part: object, where: str, limits: Limits, media: Media) -> dict[s
         detail = spec.get("detail") if isinstance(spec, dict) else None
         if detail not in (None, "auto", "low", "high"):
             raise bad_request(f"{where}.image_url.detail must be auto, low or high", f"{where}.image_url.detail")
-        if len(media.images) >= limits.max_images:
+        if len(media.images) + len(media.videos) >= limits.max_images:  # a clip counts as an image
             raise bad_request(f"at most {limits.max_images} images per request", where, "too_many_images")
         media.images.append(media.load_image(url, f"{where}.image_url"))
         return {"type": "image"}
@@ -391,8 +391,8 @@ def parse_video_part(part: dict, kind: str, where: str, limits: Limits, media: M
     fps = part.get("fps", spec.get("fps") if isinstance(spec, dict) else None)
     if fps is not None and (not _is_number(fps) or not 0 < fps <= 60):
         raise bad_request(f"{where}.fps must be a number in (0, 60], got {show(fps)}", f"{where}.fps")
-    if len(media.videos) >= limits.max_images:
-        raise bad_request(f"at most {limits.max_images} videos per request", where, "too_many_images")
+    if len(media.images) + len(media.videos) >= limits.max_images:
+        raise bad_request(f"at most {limits.max_images} images and clips per request", where, "too_many_images")
     if kind == "video_url":
         url = spec.get("url") if isinstance(spec, dict) else spec
         if not isinstance(url, str):
