@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 # The worker's peak for a clip, per decoded source pixel and per processed pixel: the kept RGB frames and their
 # stacked copy, the processor's channel-first copy (3 bytes a pixel each), then its float32 frames, normalised
-# and patchified (4 bytes a channel, three arrays). An upper-bound estimate from the code path, not measured.
+# and patchified (4 bytes a channel, three arrays). Measured at 0.70-0.91 of it (tools/bench/request_peak.py
+# --video; docs/benchmarks.md, "A clip's memory against its planned peak").
 PEAK_PER_SOURCE_PIXEL = 3 * 3
 PEAK_PER_PROCESSED_PIXEL = 3 * 4 * 3
 
