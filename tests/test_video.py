@@ -248,7 +248,10 @@ def test_without_pyav_a_file_fails_with_the_extra_named_and_frames_still_work(tm
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The random demo model with small bounds: 6 frames a clip, 64 tokens a frame pair, 150 prompt tokens."""
     root = tmp_path_factory.mktemp("video-server")
+    (root / "clips").mkdir()
+    make_clip(root / "clips" / "clip.mp4", frames=20, fps=10)  # a local clip the server may read
     args = ["--model", str(random_demo_model()), "--port", "0", "--tier", "host", "--pinned-layers", "0"]
+    args += ["--image-dir", str(root / "clips")]
     args += ["--max-video-frames", "6", "--video-max-pixels", str(32 * 32 * 64), "--max-prompt-tokens", "150"]
     srv = Server([*args, "--max-tokens", "8"], root / "server.log", {})
     srv.wait_ready()
@@ -279,6 +282,17 @@ def test_daemon_answers_a_clip_and_a_list_of_frames(client: Any, tmp_path: Path)
     frames = {"type": "video", "video": [png_url(frame(i)) for i in range(4)], "fps": 2}
     reply = ask(client, frames)
     assert reply.usage.completion_tokens >= 1
+
+
+def test_daemon_reads_a_local_clip_only_under_image_dir(server: Server, client: Any, tmp_path: Path) -> None:
+    import openai
+
+    local = server.log_path.parent / "clips" / "clip.mp4"
+    assert ask(client, {"type": "video_url", "video_url": {"url": f"file://{local}"}}).usage.completion_tokens >= 1
+    outside = make_clip(tmp_path / "outside.mp4", frames=20, fps=10)
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, {"type": "video_url", "video_url": {"url": str(outside)}})
+    assert refused.value.body["code"] == "image_unavailable"
 
 
 def test_daemon_refuses_past_the_frame_and_token_bounds(client: Any, tmp_path: Path) -> None:
