@@ -251,7 +251,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (root / "clips").mkdir()
     make_clip(root / "clips" / "clip.mp4", frames=20, fps=10)  # a local clip the server may read
     args = ["--model", str(random_demo_model()), "--port", "0", "--tier", "host", "--pinned-layers", "0"]
-    args += ["--image-dir", str(root / "clips")]
+    args += ["--image-dir", str(root / "clips"), "--max-video-bytes", "16KiB"]
     args += ["--max-video-frames", "6", "--video-max-pixels", str(32 * 32 * 64), "--max-prompt-tokens", "150"]
     srv = Server([*args, "--max-tokens", "8"], root / "server.log", {})
     srv.wait_ready()
@@ -310,6 +310,10 @@ def test_daemon_refuses_past_the_frame_and_token_bounds(client: Any, tmp_path: P
     clip = make_clip(tmp_path / "long.mp4", frames=40, fps=10)  # 4 s: 8 frames at 2 fps
     url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
     cases.append(({"type": "video_url", "video_url": {"url": url}}, "too_many_frames", "is 8 frames, more than"))
+    big = "data:video/mp4;base64," + base64.b64encode(os.urandom(20_000)).decode()
+    cases.append(({"type": "video_url", "video_url": {"url": big}}, "image_too_large", "video too large"))
+    text = "data:video/mp4;base64," + base64.b64encode(b"just some text, not a clip").decode()
+    cases.append(({"type": "video_url", "video_url": {"url": text}}, "invalid_value", "not an MP4/MOV"))
     for part, code, words in cases:
         with pytest.raises(openai.BadRequestError) as refused:
             ask(client, part)

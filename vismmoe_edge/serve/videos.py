@@ -83,10 +83,8 @@ class VideoReader:
         """A `video_url` part: a data URL, or a local path under --image-dir."""
         self.check_model(param)
         settings = self.settings(fps, param)
-        if url.startswith("data:"):
-            if not url.startswith("data:video/"):
-                raise bad_request(f"{param}: video data URLs are data:video/...;base64,...", param)
-            data = decode_data_url(url, param, self.video_byte_limits())
+        if url.startswith("data:"):  # any media type: the container is told from the first bytes
+            data = decode_data_url(url, param, self.video_byte_limits(), "video")
         elif url.startswith(("http://", "https://")):
             raise bad_request(f"{param}: remote video URLs are not fetched; send a data URL", param)
         elif url.startswith(("file:", "/")) or self.image_dirs:
