@@ -182,6 +182,8 @@ def test_load_processor_hub_style_dir(ckpts: dict[str, Path], tmp_path: Path) ->
         _chat(Image.new("RGB", (64, 64))), add_generation_prompt=True, tokenize=True, return_dict=True
     )
     assert out["image_grid_thw"][0][0] == 1
+    video = proc.video_processor  # transformers' Qwen3-VL video processor, from video_preprocessor_config.json
+    assert (video.patch_size, video.temporal_patch_size, video.max_video_tokens) == (16, 2, 128)
 
     (tmp_path / "chat_template.json").unlink()
     with pytest.raises(VismmoeError, match="chat template"):

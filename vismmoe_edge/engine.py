@@ -29,13 +29,14 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
-from vismmoe_edge.models.ops import PrefillOps
+from vismmoe_edge.models.ops import PrefillOps, VisualFeatures, join_in_prompt_order
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
+from vismmoe_edge.video import Clip
 
 
 class StepObserver(Protocol):
@@ -195,16 +196,22 @@ class Engine:
         self._compression = config
 
     # ---- inputs -------------------------------------------------------------------------------------
-    def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
+    def encode(
+        self, prompt: str, images: list[str | Path | Image.Image] | None = None, videos: list[Clip] | None = None
+    ) -> PromptInputs:
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_prompt(self.processor, prompt, loaded)
+        return encode_prompt(self.processor, prompt, loaded, videos or [])
 
     def encode_messages(
-        self, messages: list[dict[str, Any]], images: list[str | Path | Image.Image] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        images: list[str | Path | Image.Image] | None = None,
+        videos: list[Clip] | None = None,
     ) -> PromptInputs:
-        """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order."""
+        """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order, `{"type": "video"}`
+        parts `videos` (clips of frames: vismmoe_edge/video.py)."""
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_messages(self.processor, messages, loaded)
+        return encode_messages(self.processor, messages, loaded, videos or [])
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep SDPA off the cuDNN backend: it builds a new graph for every KV length, which made each
@@ -231,28 +238,33 @@ class Engine:
         hidden = lm.embed_tokens(input_ids)
         visual_mask = None
         deepstack: list[torch.Tensor] = []
-        compress = self.compression.method != "none" and inputs.pixel_values is not None
+        video = inputs.pixel_values_videos is not None
+        compress = self.compression.method != "none" and inputs.pixel_values is not None and not video
         self.last_compression = None
+        if video and self.compression.method != "none":
+            note = "not applied: video tokens are not compressed"
+            self.last_compression = CompressionReport(method=self.compression.method, note=note)
         self.interest_rows = self.visual_summary = None
         saliency = None
-        if inputs.pixel_values is not None:
+        if inputs.pixel_values is not None or video:
             start = time.perf_counter()
-            grid = inputs.image_grid_thw.to(self.device)
+            grid = inputs.image_grid_thw.to(self.device) if inputs.pixel_values is not None else None
             if compress and self.compression.needs_saliency:
                 saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
             with saliency if saliency is not None else contextlib.nullcontext():
-                visual = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
+                visual, visual_mask = self._visual_features(inputs, input_ids, grid)
             timings.vision_s = time.perf_counter() - start
-            image_embeds = visual.embeds.to(hidden.dtype)
+            image_embeds = visual.embeds.to(hidden.dtype)  # images' and clips' tokens, in prompt order
             deepstack = visual.deepstack
-            visual_mask = input_ids == self.model.config.image_token_id
             if int(visual_mask.sum()) != image_embeds.shape[0]:
                 raise ValueError(
-                    f"prompt has {int(visual_mask.sum())} image tokens, images give {image_embeds.shape[0]}"
+                    f"prompt has {int(visual_mask.sum())} visual tokens, images and videos give {image_embeds.shape[0]}"
                 )
             hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
             self.interest_rows, self.visual_summary = visual_mask[0], image_embeds.float().mean(dim=0)
-            positions = self.ops.rope_positions(self.model, input_ids, inputs.mm_token_type_ids.to(self.device), grid)
+            video_grid = inputs.video_grid_thw.to(self.device) if video else None
+            mm_types = inputs.mm_token_type_ids.to(self.device)
+            positions = self.ops.rope_positions(self.model, input_ids, mm_types, grid, video_grid=video_grid)
         else:
             positions = torch.arange(input_ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
@@ -312,6 +324,23 @@ class Engine:
             observer.end_step("prefill", 0)
         self.interest_rows = None  # decode steps carry one token
         return logits, DecodeState(cache=cache, next_position=next_position)
+
+    def _visual_features(
+        self, inputs: PromptInputs, input_ids: torch.Tensor, grid: torch.Tensor | None
+    ) -> tuple[VisualFeatures, torch.Tensor]:
+        """The vision tower's tokens for the prompt's images and clips, joined in prompt order, and their mask."""
+        image_mask = input_ids == self.model.config.image_token_id
+        if inputs.pixel_values is not None:
+            images = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
+        if inputs.pixel_values_videos is None:
+            return images, image_mask
+        video_grid = inputs.video_grid_thw.to(self.device)
+        pixels = inputs.pixel_values_videos.to(self.device, self.dtype)
+        clips = self.ops.video_features(self.model, pixels, video_grid)
+        video_mask = input_ids == self.model.config.video_token_id
+        if inputs.pixel_values is None:
+            return clips, video_mask
+        return join_in_prompt_order(images, clips, image_mask[0], video_mask[0]), image_mask | video_mask
 
     def _cut_layer(self) -> int:
         """The decoder layer before which visual tokens are dropped: the first one after the pinned prefix."""

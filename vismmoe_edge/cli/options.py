@@ -82,3 +82,21 @@ PlanDenseBitsOpt = Annotated[
 PlanGroupOpt = Annotated[
     int | None, typer.Option("--group-size", min=2, help="int4 group size of the planned conversion (default 128)")
 ]
+VideoOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--video", help="a video file (MP4/MOV, WebM/MKV, AVI; needs the video extra); repeat for several"),
+]
+VideoFramesOpt = Annotated[
+    list[str] | None,
+    typer.Option("--video-frames", help="image files taken as one clip's frames, comma-separated, in order"),
+]
+VideoFpsOpt = Annotated[
+    float,
+    typer.Option("--video-fps", help="frames sampled a second from a video file; for --video-frames, their rate"),
+]
+VideoMaxFramesOpt = Annotated[
+    int, typer.Option("--video-max-frames", min=2, help="frames per clip after sampling; a longer clip is refused")
+]
+VideoMaxPixelsOpt = Annotated[
+    int, typer.Option("--video-max-pixels", min=1, help="pixels of each frame once resized (32x32 per token pair)")
+]

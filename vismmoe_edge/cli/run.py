@@ -6,7 +6,7 @@ import json
 import stat
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,8 +28,16 @@ from vismmoe_edge.cli.options import (
     ProfileOpt,
     SalientRatioOpt,
     TierOpt,
+    VideoFpsOpt,
+    VideoFramesOpt,
+    VideoMaxFramesOpt,
+    VideoMaxPixelsOpt,
+    VideoOpt,
 )
 from vismmoe_edge.errors import VismmoeError
+
+if TYPE_CHECKING:
+    from vismmoe_edge.video import VideoSettings
 
 
 def run(
@@ -40,6 +48,11 @@ def run(
     ] = None,
     model: ModelOpt = None,
     image: ImageOpt = None,
+    video: VideoOpt = None,
+    video_frames: VideoFramesOpt = None,
+    video_fps: VideoFpsOpt = 2.0,
+    video_max_frames: VideoMaxFramesOpt = 32,
+    video_max_pixels: VideoMaxPixelsOpt = 128 * 32 * 32,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
     memory_budget: BudgetOpt = "auto",
     pinned_layers: PinnedOpt = None,
@@ -66,10 +79,11 @@ def run(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of streamed text")] = False,
 ) -> None:
-    """Answer a prompt about zero or more images, streaming the reply, then report time and expert traffic."""
+    """Answer a prompt about zero or more images and clips, streaming the reply, then report time and expert traffic."""
     try:
         prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
         check_image_files(image or [])
+        video_settings = check_video_options(video or [], video_frames or [], video_fps, video_max_frames)
     except VismmoeError as e:
         raise fail(str(e)) from None
     from vismmoe_edge.compress.config import CompressionConfig
@@ -87,14 +101,17 @@ def run(
                 "Shapes-VQA (docs/demo-model.md); it knows coloured shapes, nothing else.",
                 err=True,
             )
-            if not images:
+            if not images and not video and not video_frames:
                 images = [ensure_sample_image()]
         options = load_options(locals())
         engine, plan_note = plan_and_load(model, options)
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None
-        inputs = engine.encode(prompt, images)
+        from vismmoe_edge.video import read_clips
+
+        clips = read_clips(engine.processor, video or [], video_frames or [], video_settings, video_max_pixels)
+        inputs = engine.encode(prompt, images, clips)
         check_context(inputs.num_tokens, max_new_tokens, engine)
         temperature, top_p = sampling_floor(temperature, top_p)  # 1e-300 would make NaN probabilities
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -171,7 +188,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         raise VismmoeError(f"--prompt-file {prompt_file}: cannot read it ({reason})") from None
 
 
-def check_image_files(paths: list[Path]) -> None:
+def check_image_files(paths: list[Path], option: str = "--image") -> None:
     """Each --image must be a regular file: opening a FIFO would wait for a writer for ever, a device never end."""
     for path in paths:
         try:
@@ -179,9 +196,21 @@ def check_image_files(paths: list[Path]) -> None:
         except FileNotFoundError:
             continue  # said where the image is read, as before
         except OSError as e:
-            raise VismmoeError(f"--image {path}: cannot read it ({e.strerror})") from None
+            raise VismmoeError(f"{option} {path}: cannot read it ({e.strerror})") from None
         if not stat.S_ISREG(mode):
-            raise VismmoeError(f"--image {path}: not a regular file (a FIFO, device or directory); give an image file")
+            raise VismmoeError(f"{option} {path}: not a regular file (a FIFO, device or directory); give a file")
+
+
+def check_video_options(files: list[Path], frame_lists: list[str], fps: float, max_frames: int) -> VideoSettings:
+    """The clips' files exist and are regular, PyAV is there for a file, the rate and bound make sense."""
+    from vismmoe_edge.video import VideoSettings, import_av, split_frames
+
+    check_image_files(files, "--video")
+    for spec in frame_lists:
+        check_image_files([Path(name) for name in split_frames(spec)], "--video-frames")
+    if files:
+        import_av()  # a missing extra fails now, not after the model has loaded
+    return VideoSettings(fps=fps, max_frames=max_frames)
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, engine: object) -> None:

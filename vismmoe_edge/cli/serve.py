@@ -99,7 +99,19 @@ def serve_command(
     ] = 512,
     max_image_bytes: Annotated[str, typer.Option("--max-image-bytes", help="per image, e.g. 20MiB")] = "20MiB",
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", min=1)] = 4096 * 4096,
-    max_images: Annotated[int, typer.Option("--max-images", min=0, help="images per request")] = 8,
+    max_images: Annotated[int, typer.Option("--max-images", min=0, help="images (and clips) per request")] = 8,
+    max_video_frames: Annotated[
+        int, typer.Option("--max-video-frames", min=2, help="frames of one clip once sampled; more: refused (400)")
+    ] = 32,
+    max_video_bytes: Annotated[
+        str, typer.Option("--max-video-bytes", help="per clip file as sent, e.g. 20MiB")
+    ] = "20MiB",
+    video_fps: Annotated[
+        float, typer.Option("--video-fps", min=0.01, max=60.0, help="frames sampled a second, unless a part says")
+    ] = 2.0,
+    video_max_pixels: Annotated[
+        int, typer.Option("--video-max-pixels", min=1, help="pixels of each frame once resized (32x32 per token pair)")
+    ] = 128 * 32 * 32,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes", help="request body size; more gets 413")] = "32MiB",
     max_decoded_bytes: Annotated[
         str,
@@ -154,6 +166,10 @@ def serve_command(
             body_timeout_s=body_timeout,
             max_image_pixels=max_image_pixels,
             max_images=max_images,
+            max_video_frames=max_video_frames,
+            max_video_bytes=parse_size(max_video_bytes, what="--max-video-bytes"),
+            video_fps=video_fps,
+            video_max_pixels=video_max_pixels,
             max_prompt_tokens=max_prompt_tokens,
             max_tokens=max_tokens,
             max_queue=max_queue,

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from vismmoe_edge.compress.cut import SaliencyCapture
+from vismmoe_edge.errors import VismmoeError
 
 
 @dataclass
@@ -34,6 +35,10 @@ class PrefillOps(Protocol):
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures: ...
 
+    def video_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
+        """The vision tower's tokens of every clip, in prompt order (families whose processor takes video)."""
+        ...
+
     def visual_token_counts(self, model: Any, grid: torch.Tensor) -> list[int]:
         """LLM tokens of each image (its image-token placeholders), in prompt order."""
         ...
@@ -47,9 +52,14 @@ class PrefillOps(Protocol):
         ...
 
     def rope_positions(
-        self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """M-RoPE positions [3, 1, N] of a prompt with images."""
+        """M-RoPE positions [3, 1, N] of a prompt with images and clips."""
         ...
 
     def rotary(self, language_model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -90,10 +100,20 @@ class MRopeOps(NoDeepStack):
     static_decode = False
 
     def rope_positions(
-        self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid)
+        positions, _ = model.model.get_rope_index(
+            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid, video_grid_thw=video_grid
+        )
         return positions
+
+    def video_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
+        raise VismmoeError(f"{self.model_type} takes no video input here yet (Qwen3-VL-MoE does)")
 
     def rotary(self, language_model: Any, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return language_model.rotary_emb(hidden, positions)
@@ -106,3 +126,18 @@ class MRopeOps(NoDeepStack):
         return [torch.arange(n) for n in self.visual_token_counts(model, grid)]  # every token is a patch group
 
 
+def join_in_prompt_order(
+    images: VisualFeatures, videos: VisualFeatures, image_mask: torch.Tensor, video_mask: torch.Tensor
+) -> VisualFeatures:
+    """Images' and clips' visual tokens (and DeepStack features) as one sequence in prompt order, as
+    transformers' Qwen3VLMoeModel.forward joins them when a prompt holds both. The masks are [N] bool."""
+    is_image = image_mask[image_mask | video_mask]
+
+    def join(image_rows: torch.Tensor, video_rows: torch.Tensor) -> torch.Tensor:
+        out = image_rows.new_zeros(is_image.shape[0], image_rows.shape[-1])
+        out[is_image] = image_rows
+        out[~is_image] = video_rows.to(out.dtype)
+        return out
+
+    deepstack = [join(a, b) for a, b in zip(images.deepstack, videos.deepstack, strict=True)]
+    return VisualFeatures(join(images.embeds, videos.embeds), deepstack)

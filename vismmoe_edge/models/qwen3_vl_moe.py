@@ -2,8 +2,9 @@
 
 The skeleton is transformers' `Qwen3VLMoeForConditionalGeneration` with parameters on the meta device; each
 MoE layer's `mlp.experts` is swapped for `OffloadedExperts`, so routed experts are never allocated. The
-processor is `Qwen3VLProcessor` without its video processor (which needs torchvision;
-platform-facts.md §4.1). Qwen adds DeepStack features to the hidden states after the first decoder layers.
+processor is `Qwen3VLProcessor` loaded without its video processor (which needs torchvision;
+platform-facts.md §4.1); that is attached afterwards (models/video_processing.py). Qwen adds DeepStack
+features to the hidden states after the first decoder layers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.ops import MRopeOps, SaliencyCapture, VisualFeatures
 from vismmoe_edge.models.processing import image_only, load_processor
+from vismmoe_edge.models.video_processing import attach_video_processor
 
 ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
 MODEL_TYPE = "qwen3_vl_moe"
@@ -52,8 +54,9 @@ ImageOnlyProcessor = image_only(Qwen3VLProcessor, "ImageOnlyProcessor")
 
 
 def load_qwen3_vl_processor(model_dir: Path) -> ImageOnlyProcessor:
-    """Load the processor saved beside a Qwen3-VL-MoE checkpoint (ours, or a Hugging Face directory)."""
-    return load_processor(model_dir, ImageOnlyProcessor)
+    """Load the processor saved beside a Qwen3-VL-MoE checkpoint (ours, or a Hugging Face directory), with
+    transformers' video processor attached after loading (models/video_processing.py says why after)."""
+    return attach_video_processor(load_processor(model_dir, ImageOnlyProcessor), model_dir)
 
 
 class Qwen3VLMoeOps(MRopeOps):
@@ -68,6 +71,11 @@ class Qwen3VLMoeOps(MRopeOps):
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
         vision = model.model.get_image_features(pixel_values, grid)
+        deepstack = [torch.cat(features) for features in vision.deepstack_features]
+        return VisualFeatures(torch.cat(vision.pooler_output), deepstack)
+
+    def video_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
+        vision = model.model.get_video_features(pixel_values, grid)
         deepstack = [torch.cat(features) for features in vision.deepstack_features]
         return VisualFeatures(torch.cat(vision.pooler_output), deepstack)
 

@@ -43,10 +43,12 @@ class JsonLimits:
     @classmethod
     def for_chat(cls, limits: Limits, max_text_bytes: int) -> JsonLimits:
         """A chat request's worst case: text up to `max_text_bytes` (the prompt bound), images as data URLs."""
-        data_url = (limits.max_image_bytes + 2) // 3 * 4 + 64  # base64 of one image plus its "data:...;base64,"
+        largest = max(limits.max_image_bytes, limits.max_video_bytes)  # one image or clip file
+        data_url = (largest + 2) // 3 * 4 + 64  # its base64 plus "data:...;base64,"
         # A JSON escape such as \u00e9 is 6 bytes for 2 of UTF-8: a text string may be up to 3x its bytes as sent.
         text = 3 * max_text_bytes
         nodes = NODES_PER_PROMPT_TOKEN * limits.max_prompt_tokens + 8 * limits.max_images
+        nodes += 2 * limits.max_images * limits.max_video_frames  # video parts' frame URLs
         nodes += 2 * MAX_LOGIT_BIAS + MAX_SCHEMA_NODES + 64
         # Twice the longest useful string: one a little too long gets the specific answer of the check that
         # knows its purpose (image_too_large, context_length_exceeded) instead of this generic one.

@@ -26,7 +26,7 @@ from vismmoe_edge.serve import sdnotify
 from vismmoe_edge.serve.admission import client_key
 from vismmoe_edge.serve.bodies import ByteBudget
 from vismmoe_edge.serve.bounded_json import JsonLimits, check_json_bounds
-from vismmoe_edge.serve.images import check_request_images, load_image_url
+from vismmoe_edge.serve.images import load_image_url
 from vismmoe_edge.serve.metrics import Metrics, host_mem_available, rss_anon_bytes
 from vismmoe_edge.serve.policy import HttpPolicy
 from vismmoe_edge.serve.protocol import (
@@ -39,6 +39,7 @@ from vismmoe_edge.serve.protocol import (
     unavailable,
 )
 from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
+from vismmoe_edge.serve.videos import VideoReader, check_request_media
 from vismmoe_edge.serve.worker import Job, Worker, use_mmap_for_large_allocations
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Service:
         )
         self.bodies = ByteBudget(options.limits.max_pending_bytes)
         self.estimate_tokens: Any = None  # (width, height) -> visual tokens, from the processor once loaded
+        self.video_processor: Any = None  # the model's, frames capped at --video-max-pixels; None: no video
         self.vocab_size = 0
         self.max_positions = 0
         self.max_token_bytes = DEFAULT_MAX_TOKEN_BYTES  # the tokenizer's longest token, once loaded
@@ -109,6 +111,7 @@ class Service:
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
         self.estimate_tokens = visual_token_estimator(self.engine.processor)
+        self.video_processor = video_processor_for(self.engine.processor, self.limits.video_max_pixels)
         text_config = self.engine.text_config
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self.engine.processor.tokenizer))
         self.max_positions = self.worker.max_positions
@@ -233,7 +236,8 @@ class Service:
         def load_image(url: str, param: str) -> Any:
             return load_image_url(url, param, limits, dirs, estimate)
 
-        request = parse_chat_request(body, limits, load_image, self.vocab_size)
+        videos = VideoReader(limits, dirs, self.video_processor, load_image)
+        request = parse_chat_request(body, limits, load_image, self.vocab_size, videos)
         text_bytes = prompt_text_bytes(request.messages)
         if text_bytes > self.max_text_bytes():  # refused from its bytes: tokenizing it would cost seconds and GiB
             raise bad_request(
@@ -242,7 +246,7 @@ class Service:
                 "messages",
                 "context_length_exceeded",
             )
-        check_request_images(request.images, limits, request.max_tokens, self.max_positions)
+        check_request_media(request.images, request.videos, limits, request.max_tokens, self.max_positions)
         if request.response_format is not None and self.worker is not None:
             with self.grammar_lock:  # built once, on the first request that asks for one
                 grammars = self.worker.json_grammars()
@@ -275,7 +279,8 @@ class Service:
             return []
         card = {"id": self.model_id, "object": "model", "created": int(self.started), "owned_by": "vismmoe-edge"}
         # Not in OpenAI's schema (clients ignore extra fields): what the model takes, as vLLM and Ollama say it.
-        card |= {"input_modalities": ["text", "image"], "capabilities": ["completion", "vision", "json_schema"]}
+        modalities = ["text", "image"] + (["video"] if self.video_processor is not None else [])
+        card |= {"input_modalities": modalities, "capabilities": ["completion", "vision", "json_schema"]}
         card |= {"max_model_len": self.max_positions or None}
         return [card]
 
@@ -342,6 +347,17 @@ def visual_token_estimator(processor: Any) -> Any:
             return 0
 
     return estimate
+
+
+def video_processor_for(processor: Any, frame_pixels: int) -> Any:
+    """The model's video processor with each frame capped at `frame_pixels` (set on the processor the worker
+    encodes with, so that the handlers' token counts and the worker's frames agree); None without one."""
+    if getattr(processor, "video_processor", None) is None:
+        return None
+    from vismmoe_edge.models.video_processing import set_frame_pixels
+
+    set_frame_pixels(processor, frame_pixels)
+    return processor.video_processor
 
 
 class Signals:

@@ -96,20 +96,27 @@ def local_path(url: str, param: str) -> str:
     return url
 
 
-def decode_data_url(url: str, param: str, limits: Limits) -> bytes:
+def decode_data_url(url: str, param: str, limits: Limits, what: str = "image") -> bytes:
+    """A base64 data URL's bytes, at most `limits.max_image_bytes` (`what` names the content in messages)."""
     header, comma, payload = url.partition(",")
     if not comma or not header.endswith(";base64"):
-        raise bad_request(f"{param}: image data URLs must be base64 (data:image/png;base64,...)", param)
+        example = "data:image/png;base64,..." if what == "image" else f"data:{what}/mp4;base64,..."
+        raise bad_request(f"{param}: {what} data URLs must be base64 ({example})", param)
     payload = "".join(payload.split())
     if len(payload) // 4 * 3 > limits.max_image_bytes + 2:  # reject before decoding
-        raise image_too_large(param, f"more than {limits.max_image_bytes} bytes")
+        raise too_large(param, what, f"more than {limits.max_image_bytes} bytes")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise bad_request(f"{param}: invalid base64 in the data URL ({e})", param) from None
     if len(data) > limits.max_image_bytes:
-        raise image_too_large(param, f"{len(data)} bytes, more than {limits.max_image_bytes}")
+        raise too_large(param, what, f"{len(data)} bytes, more than {limits.max_image_bytes}")
     return data
+
+
+def too_large(param: str, what: str, detail: str) -> Exception:
+    """protocol.image_too_large's answer, for an image or a clip."""
+    return bad_request(f"{param}: {what} too large: {detail}", param, "image_too_large")
 
 
 def under(path: str, dirs: tuple[str, ...]) -> bool:

@@ -53,6 +53,10 @@ class Limits:
     max_decoded_bytes: int = 512 * MiB  # a request's images at their peak in the worker (images.planned_peak)
     max_pending_bytes: int = 256 * MiB  # request bodies held at once (read, queued or running)
     max_images: int = 8
+    max_video_frames: int = 32  # frames of one clip once sampled, or sent as frames
+    max_video_bytes: int = 20 * MiB  # one clip file as sent (compressed)
+    video_fps: float = 2.0  # frames sampled a second from a clip file, unless its part says
+    video_max_pixels: int = 128 * 32 * 32  # each frame once resized by the processor: 128 tokens per frame pair
     max_prompt_tokens: int = 4096
     max_tokens: int = 512  # the cap, and the default when a request names none
     max_queue: int = 8  # requests waiting behind the one generating
@@ -144,6 +148,7 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema"}
+    videos: list[Any] = field(default_factory=list)  # what the video reader returned, one per {"type": "video"}
 
 
 def sampling_floor(temperature: float, top_p: float) -> tuple[float, float]:
@@ -271,8 +276,11 @@ def refuse_unsupported(body: dict) -> None:
     parse_bool(body, "parallel_tool_calls", "parallel_tool_calls", True)
 
 
-def parse_chat_request(body: object, limits: Limits, load_image: ImageLoader, vocab_size: int) -> ChatRequest:
-    """Validate an OpenAI chat-completions body (all but 'model'); `load_image` reads each image_url part."""
+def parse_chat_request(
+    body: object, limits: Limits, load_image: ImageLoader, vocab_size: int, videos: Any = None
+) -> ChatRequest:
+    """Validate an OpenAI chat-completions body (all but 'model'); `load_image` reads each image_url part,
+    `videos` (serve/videos.py's VideoReader; None: no video taken) each video_url and video part."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     refuse_unsupported(body)
@@ -307,15 +315,25 @@ def parse_chat_request(body: object, limits: Limits, load_image: ImageLoader, vo
         logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size),
         response_format=response_format,
     )
-    messages, images = parse_messages(body.get("messages"), limits, load_image)  # last: images cost the most
-    return ChatRequest(messages=messages, images=images, **sampling)  # type: ignore[arg-type]
+    media = Media(load_image, videos)
+    messages = parse_messages(body.get("messages"), limits, media)  # last: images cost the most
+    return ChatRequest(messages=messages, images=media.images, videos=media.videos, **sampling)  # type: ignore[arg-type]
 
 
-def parse_messages(raw: object, limits: Limits, load_image: ImageLoader) -> tuple[list[dict], list[Any]]:
+@dataclass
+class Media:
+    """A request's images and clips as its parts are read, with the readers that take them."""
+
+    load_image: Any
+    reader: Any = None  # serve/videos.py's VideoReader
+    images: list[Any] = field(default_factory=list)
+    videos: list[Any] = field(default_factory=list)
+
+
+def parse_messages(raw: object, limits: Limits, media: Media) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", "messages")
     messages: list[dict[str, Any]] = []
-    images: list[Any] = []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -333,12 +351,12 @@ def parse_messages(raw: object, limits: Limits, load_image: ImageLoader) -> tupl
             continue
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
-        parts = [parse_part(p, f"{where}.content[{j}]", images, limits, load_image) for j, p in enumerate(content)]
+        parts = [parse_part(p, f"{where}.content[{j}]", limits, media) for j, p in enumerate(content)]
         messages.append({"role": role, "content": parts})
-    return messages, images
+    return messages
 
 
-def parse_part(part: object, where: str, images: list, limits: Limits, load_image: ImageLoader) -> dict[str, Any]:
+def parse_part(part: object, where: str, limits: Limits, media: Media) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise bad_request(f"{where} must be an object", where)
     kind = part.get("type")
@@ -354,11 +372,37 @@ def parse_part(part: object, where: str, images: list, limits: Limits, load_imag
         detail = spec.get("detail") if isinstance(spec, dict) else None
         if detail not in (None, "auto", "low", "high"):
             raise bad_request(f"{where}.image_url.detail must be auto, low or high", f"{where}.image_url.detail")
-        if len(images) >= limits.max_images:
+        if len(media.images) + len(media.videos) >= limits.max_images:  # a clip counts as an image
             raise bad_request(f"at most {limits.max_images} images per request", where, "too_many_images")
-        images.append(load_image(url, f"{where}.image_url"))
+        media.images.append(media.load_image(url, f"{where}.image_url"))
         return {"type": "image"}
-    raise bad_request(f"{where}.type {show(kind)} is not supported: use 'text' or 'image_url'", f"{where}.type")
+    if kind in ("video_url", "video"):
+        return parse_video_part(part, kind, where, limits, media)
+    raise bad_request(
+        f"{where}.type {show(kind)} is not supported: use 'text', 'image_url', 'video_url' or 'video'", f"{where}.type"
+    )
+
+
+def parse_video_part(part: dict, kind: str, where: str, limits: Limits, media: Media) -> dict[str, Any]:
+    """`video_url` (a clip file) or `video` (a list of frame image URLs); serve/videos.py reads them."""
+    if media.reader is None:
+        raise bad_request(f"{where}: this server takes no video input", f"{where}.type", "unsupported_parameter")
+    spec = part.get(kind)
+    fps = part.get("fps", spec.get("fps") if isinstance(spec, dict) else None)
+    if fps is not None and (not _is_number(fps) or not 0 < fps <= 60):
+        raise bad_request(f"{where}.fps must be a number in (0, 60], got {show(fps)}", f"{where}.fps")
+    if len(media.images) + len(media.videos) >= limits.max_images:
+        raise bad_request(f"at most {limits.max_images} images and clips per request", where, "too_many_images")
+    if kind == "video_url":
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str):
+            raise bad_request(f"{where}.video_url.url must be a string", f"{where}.video_url")
+        media.videos.append(media.reader.from_url(url, fps, f"{where}.video_url"))
+    else:
+        if not isinstance(spec, list):
+            raise bad_request(f"{where}.video must be an array of image URLs (the frames, in order)", f"{where}.video")
+        media.videos.append(media.reader.from_frames(spec, fps, f"{where}.video"))
+    return {"type": "video"}
 
 
 def check_text(text: str, param: str) -> str:

@@ -28,6 +28,7 @@ from vismmoe_edge.serve.protocol import (
     shutdown_error,
     timeout_error,
 )
+from vismmoe_edge.serve.videos import decode_video
 
 if TYPE_CHECKING:
     from vismmoe_edge.engine import Engine
@@ -214,6 +215,7 @@ class Worker:
                 self.process(job)
             finally:
                 job.request.images.clear()  # the decoded and compressed images go now, not with the handler
+                job.request.videos.clear()
                 self.job_finished()
                 release_freed_memory()
 
@@ -262,12 +264,13 @@ class Worker:
     def encode(self, request: ChatRequest) -> PromptInputs:
         """Decode the images (only now: one request's pixels at a time) and build the prompt; check its length."""
         images = [decode(image) for image in request.images]
+        clips = [decode_video(video) for video in request.videos]
         try:
-            inputs = self.engine.encode_messages(request.messages, images)
+            inputs = self.engine.encode_messages(request.messages, images, clips)
         except (VismmoeError, ValueError) as e:
             raise bad_request(f"cannot build the prompt: {e}", "messages") from None
         finally:
-            del images
+            del images, clips
         n = inputs.num_tokens
         if n > self.limits.max_prompt_tokens:
             raise bad_request(

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.models.deepseek_vl2.model import layout_index
 from vismmoe_edge.models.ops import NoDeepStack, SaliencyCapture, VisualFeatures
 
@@ -42,8 +43,16 @@ class DeepseekVL2Ops(NoDeepStack):
         views = [1 + int(h) * int(w) for _, h, w in grid.tolist()]
         return TileSaliency(model.vision, views, self._layouts(model, grid), ratio=model.config.downsample_ratio)
 
+    def video_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
+        raise VismmoeError("DeepSeek-VL2 takes no video input")
+
     def rope_positions(
-        self, model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, grid: torch.Tensor
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        grid: torch.Tensor | None,
+        video_grid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch.arange(input_ids.shape[1], device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
 
