@@ -28,7 +28,8 @@ from vismmoe_edge.detokenize import TextStream
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
-from vismmoe_edge.models.ops import PrefillOps
+from vismmoe_edge.models.ops import PrefillOps, VisualFeatures
+from vismmoe_edge.prefix_cache import CachedVision, PrefixCache, image_code, image_key
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for
@@ -49,6 +50,8 @@ class Timings:
     prefill_s: float = 0.0  # vision tower and compression included
     decode_s: float = 0.0
     decode_tokens: int = 0
+    prefix_reused_tokens: int = 0  # prompt positions whose KV came from the prefix cache (not prefilled)
+    vision_cached_images: int = 0  # images whose vision-tower output came from the prefix cache
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -62,6 +65,8 @@ class Timings:
             "decode_s": self.decode_s,
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "prefix_reused_tokens": self.prefix_reused_tokens,
+            "vision_cached_images": self.vision_cached_images,
         }
 
 
@@ -140,6 +145,8 @@ class Engine:
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
         self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
+        # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -194,21 +201,32 @@ class Engine:
 
     # ---- prefill ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, inputs: PromptInputs, timings: Timings | None = None) -> tuple[torch.Tensor, DecodeState]:
-        """Run the whole prompt through every layer; return last-position logits [vocab] and the decode state."""
+    def prefill(
+        self, inputs: PromptInputs, timings: Timings | None = None, *, use_cache: bool = True
+    ) -> tuple[torch.Tensor, DecodeState]:
+        """Run the prompt through every layer; return last-position logits [vocab] and the decode state. With a
+        prefix cache (and `use_cache`), the images' vision features and the KV of the longest prompt prefix seen
+        before are reused, and only the rest of the prompt is prefilled (prefix_cache.py)."""
         with self._attention_kernels():
-            return self._prefill(inputs, timings)
+            return self._prefill(inputs, timings or Timings(), use_cache)
 
-    def _prefill(self, inputs: PromptInputs, timings: Timings | None) -> tuple[torch.Tensor, DecodeState]:
-        timings = timings or Timings()
+    def _prefill(self, inputs: PromptInputs, timings: Timings, use_cache: bool) -> tuple[torch.Tensor, DecodeState]:
         lm = self.language_model
         input_ids = inputs.input_ids.to(self.device)
+        compress = self.compression.method != "none" and inputs.pixel_values is not None
+        cache_on = self.prefix_cache is not None and use_cache
+        # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
+        # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position.
+        reuse_kv = cache_on and not compress and self.experts.replay is None
+        keys = self._image_keys(inputs) if cache_on and inputs.pixel_values is not None else []
+        content = self._content(input_ids, inputs, keys) if reuse_kv else None
+        entry, reused = self.prefix_cache.match(content) if content is not None else (None, 0)  # type: ignore[union-attr]
+        timings.prefix_reused_tokens = reused
         for observer in self.observers:
-            observer.begin_step("prefill", input_ids.shape[1])
-        hidden = lm.embed_tokens(input_ids)
+            observer.begin_step("prefill", input_ids.shape[1] - reused)
+        hidden = lm.embed_tokens(input_ids[:, reused:])
         visual_mask = None
         deepstack: list[torch.Tensor] = []
-        compress = self.compression.method != "none" and inputs.pixel_values is not None
         self.last_compression = None
         self.interest_rows = self.visual_summary = None
         saliency = None
@@ -217,23 +235,32 @@ class Engine:
             grid = inputs.image_grid_thw.to(self.device)
             if compress and self.compression.needs_saliency:
                 saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
-            with saliency if saliency is not None else contextlib.nullcontext():
-                visual = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
+            visual = self._cached_vision(keys, timings) if keys and saliency is None else None
+            if visual is None:
+                with saliency if saliency is not None else contextlib.nullcontext():
+                    visual = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
+                if keys:
+                    self._keep_vision(keys, visual, grid)
             timings.vision_s = time.perf_counter() - start
             image_embeds = visual.embeds.to(hidden.dtype)
-            deepstack = visual.deepstack
-            visual_mask = input_ids == self.model.config.image_token_id
-            if int(visual_mask.sum()) != image_embeds.shape[0]:
-                raise ValueError(
-                    f"prompt has {int(visual_mask.sum())} image tokens, images give {image_embeds.shape[0]}"
-                )
-            hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
+            full_mask = input_ids == self.model.config.image_token_id
+            if int(full_mask.sum()) != image_embeds.shape[0]:
+                raise ValueError(f"prompt has {int(full_mask.sum())} image tokens, images give {image_embeds.shape[0]}")
+            before = int(full_mask[:, :reused].sum())  # visual tokens whose KV the cache gave
+            deepstack = [features[before:] for features in visual.deepstack]
+            visual_mask = full_mask[:, reused:]
+            hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds[before:])
             self.interest_rows, self.visual_summary = visual_mask[0], image_embeds.float().mean(dim=0)
             positions = self.ops.rope_positions(self.model, input_ids, inputs.mm_token_type_ids.to(self.device), grid)
         else:
             positions = torch.arange(input_ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        next_position = int(positions.max()) + 1  # decode continues the uncompressed numbering
+        positions = positions[..., reused:]
 
         cache = DynamicCache(config=self.text_config)
+        if entry is not None:
+            for i in range(len(lm.layers)):
+                cache.update(entry.keys[i][:, :, :reused], entry.values[i][:, :, :reused], i)
         cos_sin = self.ops.rotary(lm, hidden, positions)
         mask = create_causal_mask(
             config=self.text_config,
@@ -241,7 +268,6 @@ class Engine:
             attention_mask=torch.ones(input_ids.shape, dtype=torch.long, device=self.device),
             cache=cache,
         )
-        next_position = int(positions.max()) + 1  # decode continues the uncompressed numbering
         cut_at = self._cut_layer() if compress else -1
         if cut_at >= len(lm.layers):
             note = "every MoE layer is pinned: no layer after the prefix is left to run on fewer tokens"
@@ -285,10 +311,53 @@ class Engine:
             if route_hook is not None:
                 self.experts.route_hooks.remove(route_hook)
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
+        if content is not None and bool(torch.isfinite(logits).all()):  # for later requests that start the same way
+            self.prefix_cache.store(  # type: ignore[union-attr]
+                content, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+            )
         for observer in self.observers:
             observer.end_step("prefill", 0)
         self.interest_rows = None  # decode steps carry one token
         return logits, DecodeState(cache=cache, next_position=next_position)
+
+    # ---- the prefix cache's keys and entries ---------------------------------------------------------------
+    def _image_keys(self, inputs: PromptInputs) -> list[str]:
+        """Each image's content address: its own rows of the processor's patches, its grid, the model's salt."""
+        grid = inputs.image_grid_thw
+        assert inputs.pixel_values is not None and grid is not None and self.prefix_cache is not None
+        rows = [int(t * h * w) for t, h, w in grid.tolist()]
+        patches = inputs.pixel_values.split(rows)
+        return [image_key(p, g, self.prefix_cache.salt) for p, g in zip(patches, grid, strict=True)]
+
+    def _content(self, input_ids: torch.Tensor, inputs: PromptInputs, keys: list[str]) -> torch.Tensor:
+        """The prompt as the prefix cache compares it: token ids, each image's placeholders its image's code."""
+        content = input_ids[0].to("cpu", torch.long).clone()
+        if keys:
+            counts = self.ops.visual_token_counts(self.model, inputs.image_grid_thw)
+            codes = torch.cat(
+                [torch.full((n,), image_code(k), dtype=torch.long) for k, n in zip(keys, counts, strict=True)]
+            )
+            placeholders = content == self.model.config.image_token_id
+            if int(placeholders.sum()) == codes.numel():  # else prefill refuses the prompt with its own message
+                content[placeholders] = codes
+        return content
+
+    def _cached_vision(self, keys: list[str], timings: Timings) -> VisualFeatures | None:
+        found = self.prefix_cache.vision(keys)  # type: ignore[union-attr]
+        if found is None:
+            return None
+        timings.vision_cached_images = len(found)
+        layers = len(found[0].deepstack)
+        deepstack = [torch.cat([f.deepstack[i] for f in found]) for i in range(layers)]
+        return VisualFeatures(torch.cat([f.embeds for f in found]), deepstack)
+
+    def _keep_vision(self, keys: list[str], visual: VisualFeatures, grid: torch.Tensor) -> None:
+        counts = self.ops.visual_token_counts(self.model, grid)
+        embeds = visual.embeds.split(counts)
+        stacks = [features.split(counts) for features in visual.deepstack]
+        for i, key in enumerate(keys):  # copies: an entry must not hold the whole request's tensor alive
+            features = CachedVision(embeds[i].clone(), tuple(s[i].clone() for s in stacks))
+            self.prefix_cache.put_vision(key, features)  # type: ignore[union-attr]
 
     def _cut_layer(self) -> int:
         """The decoder layer before which visual tokens are dropped: the first one after the pinned prefix."""
@@ -431,15 +500,17 @@ class Engine:
         *,
         timings: Timings | None = None,
         should_stop: Callable[[], bool] | None = None,
+        use_cache: bool = True,
     ) -> Iterator[int]:
-        """Yield token ids as they are produced. `should_stop` is polled between tokens (cancellation)."""
+        """Yield token ids as they are produced. `should_stop` is polled between tokens (cancellation);
+        `use_cache=False` neither reads nor fills the prefix cache for this request."""
         sampling = sampling or SamplingConfig()
         sampling.validate()
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
         sampler = Sampler(sampling, stop_ids)
         timings = timings if timings is not None else Timings()
         start = time.perf_counter()
-        logits, state = self.prefill(inputs, timings)
+        logits, state = self.prefill(inputs, timings, use_cache=use_cache)
         self._check_finite(logits, "prefill", self.prefill, inputs)
         token = sampler(logits, 0)
         if sampling.max_new_tokens > 1 and token not in stop_ids:
@@ -525,6 +596,7 @@ class Engine:
         *,
         on_text: Callable[[str], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        use_cache: bool = True,
     ) -> GenerationResult:
         sampling = sampling or SamplingConfig()
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
@@ -532,7 +604,7 @@ class Engine:
         timings = Timings()
         tokens: list[int] = []
         text = TextStream(self.processor.tokenizer)
-        for token in self.stream(inputs, sampling, timings=timings, should_stop=should_stop):
+        for token in self.stream(inputs, sampling, timings=timings, should_stop=should_stop, use_cache=use_cache):
             tokens.append(token)
             piece = text.push(token) if token not in stop_ids else ""
             if on_text is not None and piece:
