@@ -82,3 +82,11 @@ PlanDenseBitsOpt = Annotated[
 PlanGroupOpt = Annotated[
     int | None, typer.Option("--group-size", min=2, help="int4 group size of the planned conversion (default 128)")
 ]
+PrefixCacheOpt = Annotated[
+    str,
+    typer.Option(
+        "--prefix-cache-bytes",
+        help="bound of the cache of images' vision features and prompt-prefix KV reused across requests: a size "
+        "(256MiB), 0 (off), or auto (the plan's share: one longest prompt)",
+    ),
+]
