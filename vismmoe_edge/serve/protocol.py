@@ -144,6 +144,7 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema"}
+    prefix_cache: bool = True  # our extension: false neither reuses nor keeps this request's prefill
 
 
 def sampling_floor(temperature: float, top_p: float) -> tuple[float, float]:
@@ -306,6 +307,7 @@ def parse_chat_request(body: object, limits: Limits, load_image: ImageLoader, vo
         frequency_penalty=parse_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size),
         response_format=response_format,
+        prefix_cache=parse_bool(body, "prefix_cache", "prefix_cache", True),
     )
     messages, images = parse_messages(body.get("messages"), limits, load_image)  # last: images cost the most
     return ChatRequest(messages=messages, images=images, **sampling)  # type: ignore[arg-type]
