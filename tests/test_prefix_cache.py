@@ -4,12 +4,14 @@ its processor returns, and those of a cold run; the byte bound holds under evict
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+import typer
 
 from tests.hf_reference import NEW_TOKENS, hf_references
 from vismmoe_edge.prefix_cache import CachedVision, PrefixCache, image_code, shared_length
@@ -209,3 +211,59 @@ def test_threads_share_one_cache_within_its_bound() -> None:
     stats = cache.stats()
     held = sum(entry.nbytes for entry in cache._entries.values())
     assert stats.bytes == held <= capacity and stats.entries == len(cache._entries) and stats.evictions > 0
+
+
+# ---- the plan and the CLI ---------------------------------------------------------------------------------------
+def test_the_plan_counts_the_prefix_cache(checkpoints: dict[str, Path], capsys) -> None:
+    from vismmoe_edge.checkpoint_info import inspect_checkpoint
+    from vismmoe_edge.cli.plan import plan_command
+    from vismmoe_edge.errors import VismmoeError
+    from vismmoe_edge.hardware.profiles import get_profile
+    from vismmoe_edge.options import parse_prefix_cache
+    from vismmoe_edge.planning.memory_plan import default_prefix_cache_bytes, runtime_parts
+    from vismmoe_edge.planning.plan import format_plan, make_plan
+
+    info = inspect_checkpoint(checkpoints["v5"])
+    default = default_prefix_cache_bytes(info, 4096, info.stored_dtype.itemsize)
+    assert default == runtime_parts(info, device="cpu").prefix_cache_bytes > 0
+    s_layer = info.catalogue.num_experts * info.catalogue.expert_bytes
+    m_e = 3 * s_layer  # what is left for experts once every other part, the prefix cache included, is counted
+    for bound in (None, 0, 1 << 20):
+        others = runtime_parts(info, device="cpu", prefix_cache_bytes=bound).total_bytes
+        plan = make_plan(info, get_profile("cpu"), mem_available=others + m_e, c_safe=0, cgroup=None,
+                         prefix_cache_bytes=bound)  # fmt: skip
+        assert plan.memory_budget_bytes == m_e  # the prefix cache came out of M_avail before the experts
+        assert (
+            plan.prefix_cache_bytes == plan.memory_parts["prefix_cache_bytes"] == (default if bound is None else bound)
+        )
+        assert plan.memory_parts["total_bytes"] <= plan.m_avail_bytes
+    assert "prefix cache    1.00 MiB" in format_plan(plan)
+    assert parse_prefix_cache("auto") is None and parse_prefix_cache("off") == 0 and parse_prefix_cache("2KiB") == 2048
+    for bad in ("lots", "-5", "0.0001"):
+        with pytest.raises(VismmoeError, match="--prefix-cache-bytes"):
+            parse_prefix_cache(bad)
+    with pytest.raises(typer.Exit):
+        plan_command(checkpoints["v5"], profile="cpu", prefix_cache_bytes="big")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prefix-cache-bytes 'big'" in err
+
+
+def test_run_answers_several_questions_reusing_the_image() -> None:
+    from typer.testing import CliRunner
+
+    from vismmoe_edge.cli import app
+
+    questions = ["What colour is the circle?", "How many shapes are there?"]
+    args = ["run", "--device", "cpu", "--max-new-tokens", "4", "--json"]
+    result = CliRunner().invoke(app, [*args, "--prompt", questions[0], "--prompt", questions[1]])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    first, second = report["answers"]
+    assert [first["question"], second["question"]] == questions
+    assert first["timings"]["prefix_reused_tokens"] == 0 and second["timings"]["prefix_reused_tokens"] > 64
+    assert second["ttft_s"] == second["timings"]["prefill_s"] > 0 and report["prefix_cache"]["prefix_hits"] == 1
+    cold = CliRunner().invoke(app, [*args, "--prompt", questions[1], "--prefix-cache-bytes", "0"])
+    assert cold.exit_code == 0, cold.output
+    assert json.loads(cold.stdout.strip().splitlines()[-1])["token_ids"] == second["token_ids"]
+    both = CliRunner().invoke(app, ["run", "--prompt", "a", "--prompt", "b", "--prompt-file", "x.txt"])
+    assert both.exit_code == 2 and "not both" in both.output
