@@ -129,6 +129,9 @@ def test_opt_out_and_another_image(checkpoints: dict[str, Path], images: list[Pa
     other = engine.generate_from_inputs(engine.encode("What shape is red?", [images[1]]), greedy())
     assert other.timings.prefix_reused_tokens < 16 and other.timings.vision_cached_images == 0  # another image
     assert cache.stats().entries == before.entries + 2  # its features and its prefix
+    tensors = [t for e in cache._entries.values() for t in (e.keys + e.values if hasattr(e, "keys") else e.deepstack)]
+    # what the bound counts is what is held: no entry keeps a larger tensor (a whole request's) alive
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
 # ---- the cache alone --------------------------------------------------------------------------------------------
