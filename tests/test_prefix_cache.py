@@ -270,3 +270,24 @@ def test_run_answers_several_questions_reusing_the_image() -> None:
     assert json.loads(cold.stdout.strip().splitlines()[-1])["token_ids"] == second["token_ids"]
     both = CliRunner().invoke(app, ["run", "--prompt", "a", "--prompt", "b", "--prompt-file", "x.txt"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_image_keys_follow_pixels_and_processor_settings(checkpoints: dict[str, Path], images: list[Path]) -> None:
+    from PIL import Image
+
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    key = engine.encode("Q?", [images[0]]).image_keys
+    same = Image.open(images[0]).convert("RGB")
+    assert engine.encode("Another question?", [same]).image_keys == key  # the pixels, not the file or prompt
+    assert engine.encode("Q?", [Image.eval(same, lambda v: v ^ 1)]).image_keys != key
+    engine.processor.image_processor.size.longest_edge = 128 * 128
+    engine._processor_settings = None
+    assert engine.encode("Q?", [images[0]]).image_keys != key  # another resize bound: other visual tokens
+    # inputs built without the engine's encode are keyed by their processor patches, and reuse as well
+    first, second = (engine.encode(q, [images[0]]) for q, _ in QUESTIONS.values())
+    first.image_keys = second.image_keys = None
+    engine.generate_from_inputs(first, greedy())
+    assert engine.generate_from_inputs(second, greedy()).timings.prefix_reused_tokens > 16

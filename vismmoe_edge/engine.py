@@ -29,7 +29,14 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.models.ops import PrefillOps, VisualFeatures
-from vismmoe_edge.prefix_cache import CachedVision, PrefixCache, image_code, image_key
+from vismmoe_edge.prefix_cache import (
+    CachedVision,
+    PrefixCache,
+    image_code,
+    image_key,
+    pixels_key,
+    processor_settings,
+)
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for
@@ -147,6 +154,7 @@ class Engine:
         self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
+        self._processor_settings: str | None = None  # what of the processor shapes visual tokens, for image keys
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -181,14 +189,24 @@ class Engine:
     # ---- inputs -------------------------------------------------------------------------------------
     def encode(self, prompt: str, images: list[str | Path | Image.Image] | None = None) -> PromptInputs:
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_prompt(self.processor, prompt, loaded)
+        return self._with_image_keys(encode_prompt(self.processor, prompt, loaded), loaded)
 
     def encode_messages(
         self, messages: list[dict[str, Any]], images: list[str | Path | Image.Image] | None = None
     ) -> PromptInputs:
         """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order."""
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_messages(self.processor, messages, loaded)
+        return self._with_image_keys(encode_messages(self.processor, messages, loaded), loaded)
+
+    def _with_image_keys(self, inputs: PromptInputs, images: list[Image.Image]) -> PromptInputs:
+        """With a prefix cache, address each image by its decoded pixels and the processor's settings: hashing
+        them costs a fraction of hashing the processor's float patches (prefix_cache.pixels_key)."""
+        if self.prefix_cache is not None and images and inputs.pixel_values is not None:
+            if self._processor_settings is None:
+                self._processor_settings = processor_settings(self.processor)
+            salt = self.prefix_cache.salt + self._processor_settings
+            inputs.image_keys = [pixels_key(img, salt) for img in images]
+        return inputs
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep SDPA off the cuDNN backend: it builds a new graph for every KV length, which made each
@@ -218,7 +236,9 @@ class Engine:
         # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
         # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position.
         reuse_kv = cache_on and not compress and self.experts.replay is None
-        keys = self._image_keys(inputs) if cache_on and inputs.pixel_values is not None else []
+        keys: list[str] = []
+        if cache_on and inputs.pixel_values is not None:
+            keys = inputs.image_keys or self._image_keys(inputs)
         content = self._content(input_ids, inputs, keys) if reuse_kv else None
         entry, reused = self.prefix_cache.match(content) if content is not None else (None, 0)  # type: ignore[union-attr]
         timings.prefix_reused_tokens = reused

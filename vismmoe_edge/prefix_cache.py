@@ -3,9 +3,9 @@
 Two kinds of entry share one byte bound and one least-recently-used order:
 
 - **vision**: the vision tower's output for one image (its merged visual tokens and DeepStack features), keyed by
-  a hash of the processor's patches for that image (a function of the decoded pixels and of every processor
-  setting that shapes the visual tokens: resize bounds, patch and merge size, normalisation), its grid, and the
-  model and dtype (`salt`);
+  a hash of the decoded image's pixels and of every setting of the processor (resize bounds, patch and merge
+  size, normalisation: what shapes the visual tokens), the model, dtype and device (`pixels_key`); inputs built
+  without the engine's `encode` are keyed by their processor patches and grid instead (`image_key`);
 - **prefix**: the KV cache of a prompt's leading positions. A prompt is compared position by position as its
   *content*: token ids, with every image placeholder replaced by a negative number derived from its image's hash,
   so that two different images of the same size never match. A later request reuses the longest prefix it shares
@@ -21,11 +21,13 @@ what it shares: the image and the text before the question); any other prompt is
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (a chat template's opening) is not worth a lookup or an entry
 
@@ -79,6 +81,26 @@ def image_key(pixel_patches: torch.Tensor, grid_thw: torch.Tensor, salt: str) ->
     h.update(repr(tuple(int(v) for v in grid_thw.tolist())).encode())
     h.update(str(pixel_patches.dtype).encode())
     h.update(pixel_patches.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def processor_settings(processor: object) -> str:
+    """Every setting of the processor's image processor (resize bounds, patch and merge size, normalisation,
+    resampling), as one canonical string: two processors that could turn one image into different visual tokens
+    never give the same string."""
+    image_processor = getattr(processor, "image_processor", processor)
+    to_dict = getattr(image_processor, "to_dict", None)
+    settings = to_dict() if callable(to_dict) else vars(image_processor)
+    return json.dumps(settings, sort_keys=True, default=repr)
+
+
+def pixels_key(image: Image.Image, salt: str) -> str:
+    """The content address of one decoded image: its mode, size and pixels, and the salt (the model, dtype,
+    device and processor settings); the processor is deterministic, so equal keys give equal patches."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(salt.encode())
+    h.update(f"{image.mode} {image.size}".encode())
+    h.update(image.tobytes())
     return h.hexdigest()
 
 

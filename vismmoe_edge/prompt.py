@@ -22,6 +22,7 @@ class PromptInputs:
     pixel_values: torch.Tensor | None = None  # [patches, C*T*P*P]
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     mm_token_type_ids: torch.Tensor | None = None  # [1, N]
+    image_keys: list[str] | None = None  # each image's prefix-cache address, when the engine computed it
 
     @property
     def num_tokens(self) -> int:
