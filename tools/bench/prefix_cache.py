@@ -42,7 +42,7 @@ def start_daemon(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     if args.model:
         cmd += ["--model", args.model]
     cmd += [*args.serve_arg]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = log_path.open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=REPO)
     end = time.monotonic() + args.start_timeout
