@@ -291,3 +291,21 @@ def test_image_keys_follow_pixels_and_processor_settings(checkpoints: dict[str, 
     first.image_keys = second.image_keys = None
     engine.generate_from_inputs(first, greedy())
     assert engine.generate_from_inputs(second, greedy()).timings.prefix_reused_tokens > 16
+
+
+def test_prompts_with_video_placeholders_never_reuse(checkpoints: dict[str, Path]) -> None:
+    """Video placeholders are not content-addressed: such a prompt neither reuses nor keeps KV (text-only
+    prompts, which do, as the control)."""
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    video = engine.model.config.video_token_id
+    text = "Describe the scene in front of the robot in every detail you can. " * 3
+    plain = [engine.encode(text + q) for q in ("Left?", "Right?")]
+    assert [engine.generate_from_inputs(i, greedy()).timings.prefix_reused_tokens > 16 for i in plain] == [False, True]
+    engine.prefix_cache.clear()
+    for inputs in plain:
+        inputs.input_ids = torch.cat([torch.full((1, 1), video), inputs.input_ids], dim=1)
+    assert [engine.generate_from_inputs(i, greedy()).timings.prefix_reused_tokens for i in plain] == [0, 0]
+    assert engine.prefix_cache.stats().entries == 0

@@ -235,7 +235,7 @@ class Engine:
         cache_on = self.prefix_cache is not None and use_cache
         # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
         # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position.
-        reuse_kv = cache_on and not compress and self.experts.replay is None
+        reuse_kv = cache_on and not compress and self.experts.replay is None and not self._has_video(input_ids)
         keys: list[str] = []
         if cache_on and inputs.pixel_values is not None:
             keys = inputs.image_keys or self._image_keys(inputs)
@@ -341,6 +341,12 @@ class Engine:
         return logits, DecodeState(cache=cache, next_position=next_position)
 
     # ---- the prefix cache's keys and entries ---------------------------------------------------------------
+    def _has_video(self, input_ids: torch.Tensor) -> bool:
+        """Video placeholders are not addressed by content here: a prompt holding any never reuses or keeps KV
+        (two clips of one size would otherwise compare equal)."""
+        video = getattr(self.model.config, "video_token_id", None)
+        return video is not None and bool((input_ids == video).any())
+
     def _image_keys(self, inputs: PromptInputs) -> list[str]:
         """Each image's content address: its own rows of the processor's patches, its grid, the model's salt."""
         grid = inputs.image_grid_thw
