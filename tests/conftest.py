@@ -11,6 +11,8 @@ import torch
 # Tests must not touch the user's cache: the demo model and sample image go to a temporary XDG cache.
 os.environ.setdefault("VISMMOE_EDGE_CACHE", str(Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / "vismmoe-test-cache"))
 torch.set_num_threads(2)
+if os.environ.get("VISMMOE_TEST_NO_CUDNN_SDPA") == "1":  # racecheck: cuDNN's flash SDPA reports hazards of its own
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 # 10 MoE layers so that a 25% budget still leaves room for streamed experts beside a 2-layer pinned prefix.
 TEST_LAYERS = 10

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3VLMoeForConditionalGeneration
+from transformers.activations import ACT2FN
 
 import vismmoe_edge
 from tests.hf_reference import NEW_TOKENS
@@ -20,17 +21,19 @@ from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.sampling import SamplingConfig
 
 
-@pytest.mark.parametrize("budget", ["100%", "25%"])
-def test_device_token_matches_transformers(checkpoints, references, budget: str) -> None:
+@pytest.mark.parametrize(("budget", "fused"), [("100%", False), ("25%", False), ("25%", True)])
+def test_device_token_matches_transformers(checkpoints, references, budget: str, fused: bool) -> None:
+    """`fused`: the layers' attention and router as kernels/decode_layer.py spells them (compiled on CUDA)."""
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget=budget, pinned_layers=1, device="cpu", tier="host")
     engine.static_decode = "on"
     engine.device_decode = "on"
+    engine.compile_decode = fused
     assert engine.uses_static_decode() and engine.uses_device_decode()
     for name, ref in references.items():
         sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
     (decoder,) = engine._decoders.values()
-    assert decoder.on_device
+    assert decoder.on_device and (decoder.fused is not None) == fused
     assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
     tokens = len(references) * (NEW_TOKENS - 1)
     pipeline = engine.experts.pipeline
@@ -82,9 +85,13 @@ def test_fused_gemv_matches_the_torch_path_in_the_interpreter() -> None:
     pool, x = _pool(slots=4, inter=24, hidden=40, dtype=torch.bfloat16)  # shapes that leave partial blocks
     slots, weights = torch.tensor([[3, 1]]), torch.tensor([[0.6, 0.4]])
     assert md.use_triton(pool.gate_up)
-    fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, F.silu).float()
-    ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), F.silu)
-    assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    for act in (F.silu, ACT2FN["silu"], F.gelu):  # SiLU folds into the down GEMV; others run between the two
+        fused = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, act).float()
+        ref = decode_experts(x.float(), slots, weights, pool.gate_up.float(), pool.down.float(), act)
+        assert torch.allclose(fused, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+        rows = md.fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=False)  # summed by the caller
+        assert rows.shape == (2, 40) and torch.equal(rows.sum(0, keepdim=True).to(x.dtype).float(), fused)
+    assert md.is_silu(torch.nn.SiLU()) and md.is_silu(ACT2FN["silu"]) and not md.is_silu(F.gelu)
 
 
 def test_device_sampler_greedy_masks_stop_tokens_until_min_new_tokens() -> None:
@@ -249,3 +256,22 @@ def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows
         assert not table.arriving and int(table.slots[1, 5]) >= 0 and int(table.slots[1, 2]) == ABSENT
     finally:
         pipeline.close()
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_fused_int8_gemv_matches_the_dequantized_weights_in_the_interpreter() -> None:
+    """int8 records read in place by the Triton kernel (codes and row scales from each slot's record)."""
+    from tests.test_quant_pool import make_pool, reference, rel
+    from vismmoe_edge.quant.packing import ROWMAJOR
+    from vismmoe_edge.quant.slot_form import SlotForm
+
+    spec, records, dense = make_pool(8, ROWMAJOR)
+    form = SlotForm.for_device(spec, torch.device("cpu"))
+    assert md.use_triton_int8(records, form)
+    x = torch.randn(1, spec.hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[5, 0, 3, 2]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    ref = reference(x.float(), slots, weights, dense)
+    for act in (F.silu, F.gelu):  # SiLU folded into the down GEMV; another activation between the two
+        out = md.fused_decode_int8(x, slots, weights, records, form, act)
+        want = ref if act is F.silu else md.decode_quantized(x.float(), slots, weights, records, form, act).float()
+        assert rel(out, want) < 2e-2, act

@@ -28,6 +28,7 @@ from vismmoe_edge.detokenize import TextStream
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
+from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.ops import PrefillOps, VisualFeatures
 from vismmoe_edge.prefix_cache import (
     CachedVision,
@@ -124,8 +125,10 @@ class Engine:
         is_demo: bool = False,
         pinned_layers: int = 0,
         ops: PrefillOps,
+        files: ShardFiles | None = None,
     ) -> None:
         self.model = model
+        self.files = files  # the shards' maps, unmapped by close()
         self.ops = ops  # the family's vision, positions and DeepStack
         self.processor = processor
         self.experts = experts
@@ -151,10 +154,32 @@ class Engine:
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
-        self._decoders: dict[tuple[int, int, bool, bool], StaticDecoder] = {}
+        # ... with each layer's attention and router compiled by torch.compile on CUDA (kernels/decode_layer.py):
+        # off by default until measured; the first token of each KV capacity then waits for the compiler
+        self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
+        self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
         self._processor_settings: str | None = None  # what of the processor shapes visual tokens, for image keys
+
+    def close(self) -> None:
+        """Stop the expert I/O and predictor threads and unmap the shards no tensor views any more; the engine is
+        not used after. A service that reloads models calls it (or `with vismmoe_edge.load(...) as engine:`)."""
+        rt = self.experts
+        if rt.predictor_worker is not None:
+            rt.predictor_worker.close()
+        rt.pipeline.close()
+        self._decoders.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self.files is not None:
+            self.files.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def interest_rows(self) -> torch.Tensor | None:
@@ -425,11 +450,13 @@ class Engine:
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
         mapped = on_device and self.device_decode_mapped
-        decoder = self._decoders.get((capacity, routed_k, on_device, mapped))
+        fused = on_device and self.compile_decode
+        key = (capacity, routed_k, on_device, mapped, fused)
+        decoder = self._decoders.get(key)
         if decoder is None:
             graphs = self.cuda_graphs and self.device.type == "cuda"
-            decoder = self._decoders[(capacity, routed_k, on_device, mapped)] = StaticDecoder(
-                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped
+            decoder = self._decoders[key] = StaticDecoder(
+                self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped, fused=fused
             )
         decoder.start(state.cache)
         state.static = decoder

@@ -115,4 +115,5 @@ def load(
         is_demo=info.is_demo,
         pinned_layers=pinned_layers,
         ops=info.family.ops,
+        files=files,
     )

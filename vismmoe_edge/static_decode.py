@@ -5,7 +5,8 @@ router, and (once the host knows where the routed experts sit) the experts from 
 captured once as a `torch.cuda.CUDAGraph` and replayed, so a layer costs the host two graph launches instead
 of ~70 kernel launches. The host still learns each MoE layer's routed experts, because it decides what to
 fetch: one asynchronous copy of the top-k ids into pinned memory and one event per layer are the step's only
-synchronisations. No compiler is involved (torch.compile needs Triton, which JetPack's torch may lack).
+synchronisations. No compiler is involved by default (torch.compile needs Triton, which JetPack's torch may
+lack); `engine.compile_decode` compiles the device token's attention and router (kernels/decode_layer.py).
 
 The layers are transformers' own modules: attention is the model's attention module writing through
 `StaticCache.update`, so numerics match the eager path. The decoder layer's body (norm, attention, residual,
@@ -27,7 +28,9 @@ from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
-from vismmoe_edge.kernels.moe_decode import moe_decode, use_triton
+from vismmoe_edge.kernels.decode_layer import FusedLayers
+from vismmoe_edge.kernels.decode_layer import supports as supports_fused
+from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
@@ -144,6 +147,7 @@ class StaticDecoder:
         graphs: bool,
         on_device: bool = False,
         mapped: bool = False,
+        fused: bool = False,
     ) -> None:
         self.engine = engine
         self.lm = engine.language_model
@@ -183,6 +187,17 @@ class StaticDecoder:
         self.on_device = on_device
         if on_device:
             self._init_on_device(routed_k, on_gpu, mapped)
+        # the device token's attention and router as explicit tensor code, compiled on CUDA (eager elsewhere: the
+        # CPU check that it is transformers' computation)
+        self.fused: FusedLayers | None = None
+        self.no_experts: torch.Tensor | None = None
+        if fused and on_device and supports_fused(self.lm, set(self.moe)):
+            compile = on_gpu and HAS_TRITON
+            if on_gpu and not compile:
+                warnings.warn("torch.compile needs Triton: the decode layers run eagerly", stacklevel=2)
+            self.fused = FusedLayers(self.lm, compile=compile)
+            # the first layer's "previous experts": zeros of the shape the Triton path gives (one compilation)
+            self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync
@@ -254,15 +269,8 @@ class StaticDecoder:
         self.table = ExpertTable(len(self.lm.layers), num_experts, self.device)
         self.mapped_experts = 0
         tier = self.engine.experts.pipeline.tier
-        mirror = getattr(tier, "mirror", None)
-        if (
-            mapped
-            and on_gpu
-            and mirror is not None
-            and getattr(tier, "form", None) is None
-            and use_triton(tier.gate_up)
-        ):
-            self.mapped_experts = self.table.map_host(mirror, self.engine.catalogue, tier.gate_up.dtype)
+        if mapped and on_gpu and tier.mirror is not None and tier.form is None and use_triton(tier.gate_up):
+            self.mapped_experts = self.table.map_host(tier.mirror, self.engine.catalogue, tier.gate_up.dtype)
         if mapped and not self.mapped_experts:
             warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "
                           "host tier and an untransposed bf16/fp16 checkpoint): absent experts redo the token",
@@ -289,23 +297,42 @@ class StaticDecoder:
             self.replay_index.copy_(self.host_replay_index, non_blocking=True)
             self.replay_weights.copy_(self.host_replay_weights, non_blocking=True)
         pool = self.engine.experts.pipeline.tier.pool
+        fused = self.fused
+        experts = self.no_experts  # fused: a layer's expert outputs, summed into the residual by the next attend
         for i in range(len(self.lm.layers)):
             layer = self.lm.layers[i]
-            normed = self._attend(i)
+            if fused is None:
+                normed = self._attend(i)
+            else:
+                normed = fused.attend(i, experts, self.hidden, self.cos_sin, self.cache)
             if i not in self.moe:
                 self.hidden.add_(layer.mlp(normed))
                 continue
             m = self.moe_layers.index(i)
             x = normed.view(-1, normed.shape[-1])
+            table_row = self.table.slots[i]
+            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
+            act = self.moe[i].act_fn
             if replay:
                 index, weights = self.replay_index[m : m + 1], self.replay_weights[m : m + 1]
+            if fused is not None and host_row is None:  # router and table lookup in the compiled region
+                if replay:
+                    slots, missed = fused.lookup(index, table_row)
+                else:
+                    index, weights, slots, missed = fused.route(i, x, table_row)
+                out = pool_decode(x, slots, weights, pool, act, summed=False)
             else:
-                _, weights, index = layer.mlp.gate(x)
-            host_row = None if self.table.host_addrs is None else self.table.host_addrs[i]
-            out, missed = moe_decode(x, index, weights, self.table.slots[i], pool, self.moe[i].act_fn, host_row)
-            self.hidden.add_(out.view_as(self.hidden))
+                if not replay:
+                    _, weights, index = layer.mlp.gate(x)
+                out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
+            if fused is None:
+                self.hidden.add_(out.view_as(self.hidden))
+            else:
+                experts = out
             self.routing[m].copy_(index[0])
             self.missed[m].copy_(missed)
+        if fused is not None:
+            self.hidden.add_(experts.sum(0).to(self.hidden.dtype).view_as(self.hidden))
         self._tail()
         self.sampler.choose(self.logits)
         self.finite.copy_(torch.isfinite(self.logits).all().view(1))

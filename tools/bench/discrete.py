@@ -228,7 +228,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True, device_decode: str = "off", mapped: bool = False) -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool = False,
+              compiled: bool = False) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -238,6 +239,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         engine._decoders.clear()
     engine.device_decode = device_decode  # the whole token on the device: its routing reaches no route hook
     engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
+    engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -276,6 +278,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "routing": "trace-replay" if replay is not None else "sampled",
         "slots": pipeline.capacity,
         "prefill_s": times[0] - start,
+        "first_decode_s": times[1] - times[0],  # a new decoder's capture (and compilation) lands here
         "decode_s_per_token": statistics.median(steps),
         "decode_tokens_per_s": 1 / statistics.median(steps),
         "hit_rate": s["hit_rate"],
@@ -292,6 +295,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "device_decode": bool(decoders),
         "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
+        "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
     }
 
 
@@ -324,10 +328,14 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
     for _ in stream:
         pass
     compute, copies, launches, graph_launches, syncs = [], [], 0, 0, 0
+    kernels: dict[str, list[float]] = {}  # GPU time and count per kernel name, over the window
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
             span = (e.time_range.start, e.time_range.end)
             (copies if "Memcpy" in e.name or "memcpy" in e.name else compute).append(span)
+            entry = kernels.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.time_range.elapsed_us()
+            entry[1] += 1
         elif e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"):
             launches += 1
         elif e.name in ("cudaGraphLaunch",):
@@ -351,6 +359,10 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
             (e.key, round(e.cpu_time_total / 1000 / tokens, 3))
             for e in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
         ],
+        "gpu_kernels_per_token": sum(n for _, n in kernels.values()) / tokens,
+        # where the GPU's time goes: (kernel, µs per token, launches per token), the 16 costliest
+        "gpu_top": [(name, round(us / tokens, 1), n / tokens)
+                    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]],  # fmt: skip
     }
 
 
@@ -459,10 +471,13 @@ def main() -> None:
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
-                    "device-resident, device-popularity, device-mapped, unified-slots, unified-registered, "
+                    "device-resident, device-resident-compiled, device-popularity, device-mapped, unified-slots, "
+                    "unified-registered, "
                     "device-unified-slots, hf-static, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
+    ap.add_argument("--compile-device-rows", action="store_true",
+                    help="every device-* row with its layers compiled (engine.compile_decode)")
     ap.add_argument("--worker", choices=["accelerate", "hf-resident", "hf-static"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.strategies_given = args.strategies is not None
@@ -498,9 +513,11 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        if "all-resident" in wanted or "device-resident" in wanted:
+        if wanted & {"all-resident", "device-resident", "device-resident-compiled"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
-        engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
+        budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped"}
+        if wanted & budget_rows:
+            engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
             if name in wanted or f"device-{name}" in wanted:
                 engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)
@@ -518,6 +535,7 @@ def main() -> None:
                 ("budget", "lru", {"policy": "lru"}),
                 ("budget", "graphs-off", {"graphs": False}),
                 ("all-resident", "device-resident", {"device_decode": "auto"}),
+                ("all-resident", "device-resident-compiled", {"device_decode": "auto", "compiled": True}),
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
             ]
@@ -531,6 +549,8 @@ def main() -> None:
                 for engine_name, name, kw in configs:
                     engine = engines[engine_name]
                     set_predictor(engine, "learned" if name == "learned" else "none", args.predictor_file)
+                    if args.compile_device_rows and kw.get("device_decode", "off") != "off":
+                        kw = {**kw, "compiled": True}
                     r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
                     trials[name].append(r)
                     print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)
@@ -544,15 +564,22 @@ def main() -> None:
                 bound = oracle(ours["routes"], ours["slots"], ours["expert_bytes"], bandwidth,
                                ceiling["decode_s_per_token"], args.new_tokens, args.layers)  # fmt: skip
                 results.append({**bound, "routing": mode})
-            set_predictor(engines["budget"], "none", None)
-            engines["budget"].device_decode = "off"
-            profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
-            print("profile", profiles[-1], flush=True)
+            if "budget" in engines:
+                set_predictor(engines["budget"], "none", None)
+                engines["budget"].device_decode = "off"
+                profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
+                print("profile", profiles[-1], flush=True)
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"
+                engines["all-resident"].compile_decode = False
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)
+                if "device-resident-compiled" in wanted:
+                    engines["all-resident"].compile_decode = True
+                    resident = profile_decode(engines["all-resident"], image, replay)
+                    profiles.append({"engine": "every expert resident, device path, compiled layers", **resident})
+                    print("profile", profiles[-1], flush=True)
         for e in engines.values():
             e.experts.pipeline.close()
         engines.clear()

@@ -7,15 +7,21 @@
 #   bash tools/device/decode_checks.sh suite      the CUDA equivalence suite up to 10 times in a row (the stream-pool
 #                                                 crash), each run's log kept
 #   bash tools/device/decode_checks.sh sanitizer  compute-sanitizer memcheck + racecheck on the crash's case
+#   bash tools/device/decode_checks.sh racecheck  racecheck alone on that case, the whole call, with cuDNN's SDPA
+#                                                 off (its flash kernel reports shared-memory hazards of its own)
 #   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
 #                                                 resident and 20 GiB with popularity, host path and device path
 #                                                 (slots only, and reading in place from the host tier), and
-#                                                 unified-slots forced on the device path; profiles of both paths
+#                                                 unified-slots forced on the device path (device rows with compiled layers); profiles
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
+#   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
+#                                                 equivalence checks and host syncs, the one-MoE-layer timing,
+#                                                 then discrete.py resident: device path eager and compiled against
+#                                                 transformers' static cache, with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
-MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|bench|baselines|bench-int4}
+MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -51,12 +57,28 @@ checks|suite)
     done
     echo "cuda suite: $passed runs clean" | tee "$OUT/cuda_suite_summary.txt"
     ;;
-sanitizer)
+compiled)
+    echo "== decode checks with compiled layers (equivalence under the near-tie rule, host syncs), one MoE layer"
+    timeout 150 python3 tools/device/decode_checks.py --compile --out "$OUT/decode_checks_compiled.json" 2>&1 \
+        | grep "^\[" | tail -20
+    timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
+    timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+        --repeats 2 --strategies device-resident,device-resident-compiled --routings sampled --skip-baselines \
+        --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
+    echo "== transformers, static cache (generate compiles the decode step), same machine, same call"
+    timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+        --baselines-only --strategies hf-static --json "$OUT/discrete-compiled-baseline.json" 2>&1 \
+        | grep -v "^ *[\"{}\[]" | tail -8
+    ;;
+sanitizer|racecheck)
     echo "== compute-sanitizer on one case (the crash's: previous-token predictor, graphs, bf16)"
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
     CASE='test_cuda_slot_pool_matches_transformers and previous-token and dtype1'
     [ -n "$SAN" ] || { echo "compute-sanitizer not found on this machine"; exit 1; }
-    for tool in memcheck racecheck; do
+    TOOLS="memcheck racecheck"
+    [ "$MODE" = racecheck ] && { TOOLS=racecheck; export VISMMOE_TEST_NO_CUDNN_SDPA=1; }
+    for tool in $TOOLS; do
         budget=$(( ($(left) - 5) / 2 )); [ "$tool" = racecheck ] && budget=$(( $(left) - 5 ))
         timeout "$budget" "$SAN" --tool "$tool" --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider \
             tests/test_engine_equivalence.py -k "$CASE" > "$OUT/sanitizer_$tool.log" 2>&1
@@ -90,9 +112,9 @@ bench|bench-int4)
     fi
     timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 --new-tokens 16 \
         --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" --skip-accelerate \
-        --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
+        --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
     ;;
 *)
-    echo "unknown mode $MODE: checks, suite, sanitizer, bench, baselines or bench-int4"; exit 2 ;;
+    echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4 or compiled"; exit 2 ;;
 esac
 echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"

@@ -28,7 +28,7 @@ def promote_host_reads(
     limit: int = PROMOTIONS_PER_TOKEN,
 ) -> int:
     """routing [moe layers, k] (host): this token's experts. Returns how many promotions were queued."""
-    events = getattr(pipeline.tier, "events", None)  # CUDA slot tiers: one fill event per slot
+    events = pipeline.tier.events  # CUDA slot tiers: one fill event per slot
     queued = 0
     for m, layer in enumerate(moe_layers):
         for expert in routing[m].tolist():

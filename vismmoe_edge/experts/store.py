@@ -52,9 +52,13 @@ class ShardFiles:
         return self.view(info.shard, info.offset, info.nbytes, info.dtype, info.shape)
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            mm.close()
-        self._maps.clear()
+        """Unmap every shard no tensor views (each map holds a file descriptor); a viewed one goes with its views."""
+        for shard, mm in list(self._maps.items()):
+            try:
+                mm.close()
+            except BufferError:  # weights that compute reads in place still point into it
+                continue
+            del self._maps[shard]
 
 
 class ExpertStore:

@@ -25,6 +25,12 @@ class Tier(Protocol):
     # experts are computed one by one from what `fetch` returned.
     pool: Any
     pinned_slot: Mapping[ExpertKey, int]  # the pinned prefix's slots in `pool` (empty where it lives apart)
+    # What the device decode path (static_decode.py) reads: the pinned host mirror experts can be read from in
+    # place (experts/tiers/host_mirror.py) or None; the quantized record form of the slots or None (float slots);
+    # on CUDA one event per slot, recorded when its fill has been queued, or None.
+    mirror: Any
+    form: Any
+    events: list[Any] | None
 
     def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights: ...
     def release(self, key: ExpertKey, slot: int) -> None: ...
@@ -50,6 +56,9 @@ class TierDefaults:
 
     pool: Any = None
     pinned_slot: Mapping[ExpertKey, int] = MappingProxyType({})
+    mirror: Any = None
+    form: Any = None
+    events: list[Any] | None = None
     store: ExpertStore
 
     def can_fetch_inline(self, key: ExpertKey) -> bool:

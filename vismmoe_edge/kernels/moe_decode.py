@@ -4,12 +4,14 @@
 computes the experts from their slots and flags a miss (an expert the table says is absent). Everything is device
 ops of fixed shape, so a CUDA graph replays it; on a miss the output is garbage and the caller redoes the token.
 
-- bf16 / fp16 slot pools on CUDA with Triton: a fused gather + GEMV (`_gemv_kernel`): each program reads its
-  expert's slot id from the device, then streams a block of that expert's rows straight from the pool. No
+- bf16 / fp16 slot pools and int8 records on CUDA with Triton: a fused gather + GEMV (`_gemv_kernel`; for the
+  down projection with the activation and the routing weight folded in): each program reads its expert's slot
+  id from the device, then streams a block of that expert's rows straight from the pool (int8: codes and row
+  scales read in place from the slot's record, dequantized in registers). No
   gathered copy of the k experts is made, which the torch path's `index_select` does (it writes and rereads
   k * 9.4 MB per layer at 30B-A3B shapes), and a GEMV at batch 1 reads memory at a far larger fraction of
   its bandwidth than cuBLAS's batched GEMM (the issue's probe: ~610 GB/s of 4.3 TB/s).
-- everything else (the CPU, float32 pools, quantized records, no Triton): the pool's own decode functions on the
+- everything else (the CPU, float32 pools, int4 records, no Triton): the pool's own decode functions on the
   looked-up slots (pool_compute.decode_experts, quant_pool.decode_quantized); on the CPU this is exactly the
   computation of the per-layer path, so the CPU stays exact against transformers.
 """
@@ -19,9 +21,11 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
@@ -43,21 +47,33 @@ def moe_decode(
     """x [1, H], index and weights [1, k] (device), table_row [E] int32 -> (out [1, H], missed: bool scalar).
     `host_row` [E, 2] int64 (ExpertTable.host_addrs[layer]): experts not in a slot are read in place from pinned
     host memory where mapped (the Triton path only)."""
-    slots = table_row.index_select(0, index.view(-1)).view(index.shape)
     if host_row is not None:
+        slots = table_row.index_select(0, index.view(-1)).view(index.shape)
         return mapped_decode(x, index, slots, weights, host_row, pool, act)
-    missed = (slots < 0).any()
-    slots = slots.clamp_min(0).long()  # an absent expert reads slot 0; the caller discards the token
+    slots, missed = lookup(index, table_row)
     return pool_decode(x, slots, weights, pool, act), missed
 
 
-def pool_decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: Any, act: Act) -> torch.Tensor:
-    """x [1, H], slots and weights [1, k] -> [1, H] from `pool` (a SlotPoolTier or QuantSlotPoolTier)."""
+def lookup(index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """index [1, k] -> (slots [1, k] long, missed: bool scalar) through the expert table's row. An absent expert
+    reads slot 0: the caller discards the token."""
+    slots = table_row.index_select(0, index.view(-1)).view(index.shape)
+    return slots.clamp_min(0).long(), (slots < 0).any()
+
+
+def pool_decode(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: Any, act: Act, *, summed: bool = True
+) -> torch.Tensor:
+    """x [1, H], slots and weights [1, k] -> [1, H] from `pool` (a SlotPoolTier or QuantSlotPoolTier). Not
+    `summed`: the Triton paths return each expert's weighted output [k, H] in float32, for the caller to sum
+    where it can fuse the sum (kernels/decode_layer.py); the others [1, H] as ever."""
     form = getattr(pool, "form", None)
     if form is not None:
+        if use_triton_int8(pool.records, form):
+            return fused_decode_int8(x, slots, weights, pool.records, form, act, summed=summed)
         return decode_quantized(x, slots, weights, pool.records, form, act)
     if use_triton(pool.gate_up):
-        return fused_decode(x, slots, weights, pool.gate_up, pool.down, act)
+        return fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=summed)
     return decode_experts(x, slots, weights, pool.gate_up, pool.down, act)
 
 
@@ -108,32 +124,116 @@ def use_triton(w: torch.Tensor) -> bool:
     return HAS_TRITON and (w.is_cuda or INTERPRET) and dtype_ok
 
 
+def use_triton_int8(records: torch.Tensor, form: Any) -> bool:
+    """int8 records (row-major codes, one bf16 scale per row: quant/record.py) on CUDA with Triton."""
+    return HAS_TRITON and (records.is_cuda or INTERPRET) and form.spec.quant.bits == 8
+
+
 def fused_decode(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Act,
+    *,
+    summed: bool = True,
 ) -> torch.Tensor:
-    """The Triton path: gate_up GEMV over the k slots, the activation in torch (k * I values), down GEMV, the
-    weighted sum. Accumulates in float32."""
+    """The Triton path over float pools [S, 2I, H] and [S, H, I]."""
+    y = _two_gemvs(x, slots, weights, act, SlotMatrix.of_pool(gate_up), SlotMatrix.of_pool(down))
+    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
+
+
+def fused_decode_int8(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    form: Any,
+    act: Act,
+    *,
+    summed: bool = True,
+) -> torch.Tensor:
+    """The Triton path over int8 records [S, nbytes]: codes and row scales read in place from each slot's record,
+    dequantized in registers (w = code * scale, summed in float32)."""
+    fields = {f.name: f for f in form.spec.fields}
+    matrices = [SlotMatrix.of_int8(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
+                                   fields[f"{m}.scales"].offset) for m in ("gate_up_proj", "down_proj")]  # fmt: skip
+    y = _two_gemvs(x, slots, weights, act, *matrices)
+    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
+
+
+@dataclass(frozen=True)
+class SlotMatrix:
+    """Where one matrix [N, K] of every slot is: a float pool (`stride_row` elements between rows), or int8
+    records (codes at byte `q_off` of each record, row-major; a bf16 scale per row at byte `s_off`)."""
+
+    base: torch.Tensor
+    n: int
+    k: int
+    stride_slot: int
+    stride_row: int
+    int8: bool = False
+    q_off: int = 0
+    s_off: int = 0
+
+    @staticmethod
+    def of_pool(w: torch.Tensor) -> SlotMatrix:
+        return SlotMatrix(w, w.shape[1], w.shape[2], w.stride(0), w.stride(1))
+
+    @staticmethod
+    def of_int8(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int) -> SlotMatrix:
+        n, k = shape
+        return SlotMatrix(records, n, k, records.stride(0), k, int8=True, q_off=q_off, s_off=s_off)
+
+
+def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act: Act, gate_up: SlotMatrix,
+               down: SlotMatrix) -> torch.Tensor:  # fmt: skip
+    """gate_up GEMV over the k slots; for SiLU experts (every family we run) the down GEMV computes
+    silu(gate) * up as it loads its input and scales each expert's rows by its routing weight, so a layer is two
+    kernels; other activations run in torch between the GEMVs. Returns each expert's weighted output [k, H] in
+    float32; the inner activation is rounded to the compute dtype, as transformers' bf16 experts do."""
     k = slots.shape[1]
     slot_ids = slots.view(-1).to(torch.int32)
-    h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1))  # [k, 2I] float32
+    mix = weights.view(-1).float()
+    h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
+    if is_silu(act):
+        return gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted
     gate, up = h.chunk(2, dim=-1)
-    inner = (act(gate) * up).to(x.dtype)  # rounded to the weights' dtype, as transformers' bf16 experts do
-    y = gemv(down, slot_ids, inner)  # [k, H] float32
-    return (y * weights[0, :, None].float()).sum(0, keepdim=True).to(x.dtype)
+    return gemv(down, slot_ids, (act(gate) * up).to(x.dtype), mix) * mix[:, None]
 
 
-def gemv(w: torch.Tensor, slot_ids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """w [S, N, K] (a pool), slot_ids [k] int32, v [k, K] -> [k, N] float32: out[e] = w[slot_ids[e]] @ v[e]."""
+def is_silu(act: Act) -> bool:
+    """SiLU as torch or transformers spell it (ACT2FN["silu"] is transformers' SiLUActivation: F.silu)."""
+    return act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def gemv(
+    w: SlotMatrix, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, *, silu_of: torch.dtype | None = None
+) -> torch.Tensor:
+    """slot_ids [k] int32 -> [k, N] float32: out[e] = W[slot_ids[e]] @ v[e]. `silu_of` (the down projection of
+    SiLU experts): v [k, 2K] holds gate | up in float32, the input is silu(gate) * up rounded to that dtype, and
+    out[e] is scaled by mix[e]."""
+    k = slot_ids.shape[0]
+    out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
+    _kernels()[0][_grid(k, w.n)](
+        w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.stride_row, w.q_off, w.s_off,
+        SILU=silu_of is not None, ROUND_BF16=silu_of == torch.bfloat16, INT8=w.int8, **_blocks(w.k),
+    )  # fmt: skip
+    return out
+
+
+def _grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
+    return lambda meta: (k, -(-n // meta["BLOCK_N"]))
+
+
+def _blocks(kk: int) -> dict[str, int]:
+    """Fixed blocks in the interpreter (the CPU tests); on the GPU the autotuner picks them per shape."""
+    if not INTERPRET:
+        return {}
     import triton
 
-    k = slot_ids.shape[0]
-    _, n, kk = w.shape
-    out = torch.empty(k, n, dtype=torch.float32, device=w.device)
-    v = v.contiguous()
-    block_n, block_k = 32, 256 if kk >= 256 else triton.next_power_of_2(kk)
-    grid = (k, triton.cdiv(n, block_n))
-    _kernels()[0][grid](w, slot_ids, v, out, n, kk, w.stride(0), w.stride(1), BLOCK_N=block_n, BLOCK_K=block_k)
-    return out
+    return {"BLOCK_N": 32, "BLOCK_K": 256 if kk >= 256 else triton.next_power_of_2(kk)}
 
 
 _compiled: tuple | None = None
@@ -147,19 +247,50 @@ def _kernels():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
+    def tuned(fn):  # type: ignore[no-untyped-def]
+        """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture."""
+        if INTERPRET:
+            return fn
+        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                   for n, k, w in ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
+                                   (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (16, 1024, 8))]  # fmt: skip
+        return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
+
+    # fmt: off
+    @tuned
     @triton.jit
-    def _gemv_kernel(w, slot_ids, v, out, N, K, stride_slot, stride_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, stride_row, q_off, s_off, SILU: tl.constexpr,
+                     ROUND_BF16: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # fmt: on
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_ids + e).to(tl.int64)
-        base = w + slot * stride_slot
+        if INT8:  # w is the uint8 records: this slot's codes (int8, row-major) and row scales (bf16)
+            record = w + slot * stride_slot
+            base = (record + q_off).to(tl.pointer_type(tl.int8))
+        else:
+            base = w + slot * stride_slot
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
+                gate = tl.load(v + e * 2 * K + cols, mask=cols < K, other=0.0)
+                up = tl.load(v + e * 2 * K + K + cols, mask=cols < K, other=0.0)
+                a = gate * tl.sigmoid(gate) * up
+                if ROUND_BF16:  # the inner activation in the compute dtype, as the torch path rounds it
+                    a = a.to(tl.bfloat16).to(tl.float32)
+                else:
+                    a = a.to(tl.float16).to(tl.float32)
+            else:
+                a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
+        if INT8:
+            scales = (record + s_off).to(tl.pointer_type(tl.bfloat16))
+            acc = acc * tl.load(scales + rows, mask=rows < N, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc * tl.load(mix + e)
         tl.store(out + e * N + rows, acc, mask=rows < N)
 
     @triton.jit

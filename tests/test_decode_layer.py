@@ -1,0 +1,86 @@
+"""kernels/decode_layer.py: the explicit attention and router of a decode token are transformers' computation,
+bit for bit, eagerly on the CPU (compiled on CUDA they are checked under the near-tie rule instead)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3VLMoeForConditionalGeneration
+
+from vismmoe_edge.kernels.decode_layer import FusedLayers, supports
+from vismmoe_edge.static_decode import StaticCache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_and_route_are_transformers_computation(checkpoints, dtype: torch.dtype) -> None:
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"], dtype=dtype).eval()
+    lm = model.model.language_model
+    assert supports(lm, set(range(len(lm.layers))))
+    fused = FusedLayers(lm, compile=False)
+    g = torch.Generator().manual_seed(3)
+    hidden_size, layers = lm.config.hidden_size, len(lm.layers)
+    prefill = DynamicCache()
+    kv_heads, head_dim = lm.config.num_key_value_heads, lm.layers[0].self_attn.head_dim
+    for i in range(layers):  # a 5-position prompt, different per layer
+        kv = torch.randn(2, 1, kv_heads, 5 + i % 2, head_dim, generator=g).to(dtype)
+        prefill.update(kv[0], kv[1], i)
+    mine, theirs = StaticCache(prefill, 16), StaticCache(prefill, 16)
+    mine.fill(prefill)
+    theirs.fill(prefill)
+    positions = torch.full((3, 1, 1), 6, dtype=torch.long)
+    with torch.inference_mode():
+        for i, layer in enumerate(lm.layers):
+            hidden = torch.randn(1, 1, hidden_size, generator=g).to(dtype)
+            cos, sin = lm.rotary_emb(hidden, positions)
+            a, b = hidden.clone(), hidden.clone()
+            experts = torch.randn(1, hidden_size, generator=g).to(dtype)  # the previous layer's, as the CPU gives
+            normed = fused.attend(i, experts, a, (cos, sin), mine)
+            b.add_(experts.view_as(b))
+            attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(b), position_embeddings=(cos, sin),
+                                      attention_mask=theirs.mask(i, dtype), cache=theirs)  # fmt: skip
+            b.add_(attn)
+            assert torch.equal(a, b) and torch.equal(normed, layer.post_attention_layernorm(b)), i
+            assert torch.equal(mine.keys[i], theirs.keys[i]) and torch.equal(mine.values[i], theirs.values[i])
+            table_row = torch.arange(lm.layers[i].mlp.gate.num_experts, dtype=torch.int32) - 1  # expert 0 absent
+            index, weights, slots, missed = fused.route(i, normed.view(1, -1), table_row)
+            _, their_weights, their_index = layer.mlp.gate(normed.view(1, -1))
+            assert torch.equal(index, their_index) and torch.equal(weights, their_weights)
+            assert torch.equal(slots, (index - 1).clamp_min(0)) and bool(missed) == bool((index == 0).any())
+
+
+def test_quantized_or_other_layers_keep_the_modules(checkpoints) -> None:
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"]).eval()
+    lm = model.model.language_model
+    assert not supports(lm, set())  # a dense (non-MoE) layer has no router to fuse
+    lm.layers[0].self_attn.q_proj = torch.nn.Linear(lm.config.hidden_size, 8, bias=True)
+    assert not supports(lm, set(range(len(lm.layers))))
+
+
+def test_a_compiler_failure_runs_the_layers_eagerly(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"]).eval()
+    lm = model.model.language_model
+
+    def no_compiler(fn, **kwargs):  # type: ignore[no-untyped-def]
+        def fail(*args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no C compiler")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    fused = FusedLayers(lm, compile=True)
+    prefill = DynamicCache()
+    kv = torch.zeros(2, 1, lm.config.num_key_value_heads, 3, lm.layers[0].self_attn.head_dim)
+    for i in range(len(lm.layers)):
+        prefill.update(kv[0], kv[1], i)
+    cache = StaticCache(prefill, 8)
+    cache.fill(prefill)
+    hidden = torch.ones(1, 1, lm.config.hidden_size)
+    with torch.no_grad():
+        cos_sin = lm.rotary_emb(hidden, torch.full((3, 1, 1), 3, dtype=torch.long))
+    with torch.no_grad(), pytest.warns(UserWarning, match="no C compiler"):
+        normed = fused.attend(0, torch.zeros(1, lm.config.hidden_size), hidden, cos_sin, cache)
+    assert not fused.compiled and torch.isfinite(normed).all()
+    with torch.no_grad():
+        experts = lm.layers[0].mlp.gate.num_experts
+        index, *_ = fused.route(0, normed.view(1, -1), torch.zeros(experts, dtype=torch.int32))  # the eager router
+    assert index.shape == (1, lm.layers[0].mlp.gate.top_k)

@@ -1,0 +1,199 @@
+"""A Qwen3-VL-MoE decoder layer's attention and router for one decode token, as explicit tensor code that
+torch.compile can fuse.
+
+Eager, `attend` and `route` are transformers' own computation op for op (RMSNorm, q/k norms, rotary, the K/V
+write, SDPA as transformers' sdpa integration calls it for one query, o_proj, the post-attention norm; the
+router's softmax, top-k and renormalisation): tests/test_decode_layer.py checks them bit for bit on the CPU.
+Compiled (`FusedLayers(compile=True)`, CUDA, opt-in through `engine.compile_decode`), inductor fuses the ~60
+small kernels of a layer's norms, rotary, mask and router into a handful; the token graph of
+static_decode.StaticDecoder captures the compiled kernels like any others. One compiled function serves every
+layer: the weights are arguments, not constants, so 48 layers compile once (per KV capacity).
+
+Compiled kernels may round differently from eager ones (inductor keeps a fused norm in float32 where eager
+rounds to bf16 between ops), so a compiled decode is checked on the GPU under the near-tie rule
+(tools/device/decode_checks.py --compile), never on the CPU path, which stays eager and exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vismmoe_edge.kernels.moe_decode import lookup
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    eps: float  # every norm of the layer (transformers builds them from config.rms_norm_eps)
+    top_k: int
+
+
+@dataclass
+class LayerTensors:
+    """One layer's weights, in the order `attend` takes them."""
+
+    ln1: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    ln2: torch.Tensor
+    router: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: Any) -> LayerTensors:
+        a = layer.self_attn
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        projections = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight)
+        return cls(norms[0], *projections, a.q_norm.weight, a.k_norm.weight, norms[1], layer.mlp.gate.weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
+    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
+    groups = heads // kv_heads
+
+    def attend(
+        experts: torch.Tensor,  # [r, H]: the previous layer's expert outputs, weighted, summed in here first
+        hidden: torch.Tensor,  # [1, 1, H], the residual stream: experts and attention are added in place
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,  # [1, kv_heads, capacity, d]: this position's K/V are written in place
+        values: torch.Tensor,
+        length: torch.Tensor,  # [1] long: positions this layer holds before the new one
+        positions: torch.Tensor,  # [capacity] long: arange
+        ln1: torch.Tensor,
+        q_w: torch.Tensor,
+        k_w: torch.Tensor,
+        v_w: torch.Tensor,
+        o_w: torch.Tensor,
+        q_norm: torch.Tensor,
+        k_norm: torch.Tensor,
+        ln2: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns the post-attention norm of the updated residual, [1, 1, H]."""
+        hidden.add_(experts.sum(0).to(hidden.dtype).view_as(hidden))
+        h = rms_norm(hidden, ln1, shape.eps)
+        q = rms_norm(F.linear(h, q_w).view(1, 1, heads, d), q_norm, shape.eps).transpose(1, 2)
+        k = rms_norm(F.linear(h, k_w).view(1, 1, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
+        v = F.linear(h, v_w).view(1, 1, kv_heads, d).transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q * c) + (rotate_half(q) * s)
+        k = (k * c) + (rotate_half(k) * s)
+        keys.index_copy_(2, length, k)
+        values.index_copy_(2, length, v)
+        visible = positions <= length
+        mask = torch.zeros(positions.shape[0], dtype=hidden.dtype, device=hidden.device)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min).view(1, 1, 1, -1)
+        if torch.compiler.is_compiling():  # transformers' sdpa path under compilation: K/V repeated per group
+            kk = keys[:, :, None].expand(1, kv_heads, groups, keys.shape[2], d).reshape(1, heads, -1, d)
+            vv = values[:, :, None].expand(1, kv_heads, groups, keys.shape[2], d).reshape(1, heads, -1, d)
+            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=shape.scaling)
+        else:  # ... and eager, one query: the query heads packed per K/V head (transformers' pack_gqa)
+            out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups, d), keys, values, attn_mask=mask,
+                                                 scale=shape.scaling)  # fmt: skip
+        out = out.reshape(1, -1, 1, d).transpose(1, 2).contiguous().reshape(1, 1, -1)
+        hidden.add_(F.linear(out, o_w))
+        return rms_norm(hidden, ln2, shape.eps)
+
+    return attend
+
+
+def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def route(x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
+        transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table."""
+        logits = F.linear(x, weight)
+        top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return index, top.to(logits.dtype), *lookup(index, table_row)
+
+    return route
+
+
+def supports(language_model: Any, moe_layers: set[int]) -> bool:
+    """Every layer a Qwen3-VL-MoE MoE layer with plain bias-free linears (quantized dense weights keep the
+    modules' own forward) under transformers' sdpa attention."""
+    if getattr(language_model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    for i, layer in enumerate(language_model.layers):
+        a = layer.self_attn
+        if i not in moe_layers or type(a).__name__ != "Qwen3VLMoeTextAttention":
+            return False
+        if type(layer.mlp.gate).__name__ != "Qwen3VLMoeTextTopKRouter":
+            return False
+        if any(type(p) is not torch.nn.Linear or p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+            return False
+    return True
+
+
+class FusedLayers:
+    """`attend` and `route` for every layer of a language model, compiled once for all of them when asked."""
+
+    def __init__(self, language_model: Any, *, compile: bool) -> None:
+        first = language_model.layers[0]
+        a = first.self_attn
+        config = language_model.config
+        self.shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, a.head_dim, a.scaling,
+                                    first.input_layernorm.variance_epsilon, first.mlp.gate.top_k)  # fmt: skip
+        self.tensors = [LayerTensors.of(layer) for layer in language_model.layers]
+        self.eager = (make_attend(self.shape), make_route(self.shape.top_k), lookup)
+        self.compiled = compile
+        self.fns = self.eager
+        if compile:
+            self.fns = tuple(torch.compile(fn, dynamic=False, fullgraph=True) for fn in self.eager)  # type: ignore[assignment]
+        self._proven = {0, 1, 2} if not compile else set()  # the functions that have returned once
+
+    def attend(
+        self, i: int, experts: torch.Tensor, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer i's attention, after adding the previous layer's expert outputs `experts` [r, H] (rows summed;
+        zeros for the first layer) to the residual `hidden`."""
+        t = self.tensors[i]
+        kv = (cache.keys[i], cache.values[i], cache.lengths[i : i + 1], cache.positions)
+        weights = (t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm, t.ln2)
+        return self._call(0, experts, hidden, *cos_sin, *kv, *weights)
+
+    def route(self, i: int, x: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(index, weights, slots, missed) of layer i's router and the expert table."""
+        return self._call(1, x, self.tensors[i].router, table_row)
+
+    def lookup(self, index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under trace replay the routing comes in; only the table lookup runs."""
+        return self._call(2, index, table_row)
+
+    def _call(self, which: int, *args: torch.Tensor) -> Any:
+        if which in self._proven:
+            return self.fns[which](*args)
+        try:  # the compiler fails before any of its kernels runs: nothing has been written yet
+            out = self.fns[which](*args)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises: the same computation, eagerly
+            warnings.warn(f"torch.compile of the decode layers failed ({type(e).__name__}: {e}); running them "
+                          "eagerly", stacklevel=2)  # fmt: skip
+            self.fns, self.compiled = self.eager, False
+            out = self.fns[which](*args)
+        self._proven.add(which)
+        return out
