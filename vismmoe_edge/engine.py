@@ -30,6 +30,14 @@ from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.models.ops import PrefillOps, VisualFeatures, join_in_prompt_order
+from vismmoe_edge.prefix_cache import (
+    CachedVision,
+    PrefixCache,
+    image_code,
+    image_key,
+    pixels_key,
+    processor_settings,
+)
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for
@@ -51,6 +59,8 @@ class Timings:
     prefill_s: float = 0.0  # vision tower and compression included
     decode_s: float = 0.0
     decode_tokens: int = 0
+    prefix_reused_tokens: int = 0  # prompt positions whose KV came from the prefix cache (not prefilled)
+    vision_cached_images: int = 0  # images whose vision-tower output came from the prefix cache
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -64,6 +74,8 @@ class Timings:
             "decode_s": self.decode_s,
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "prefix_reused_tokens": self.prefix_reused_tokens,
+            "vision_cached_images": self.vision_cached_images,
         }
 
 
@@ -147,6 +159,9 @@ class Engine:
         # off by default until measured; the first token of each KV capacity then waits for the compiler
         self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
+        # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
+        self.prefix_cache: PrefixCache | None = None
+        self._processor_settings: str | None = None  # what of the processor shapes visual tokens, for image keys
 
     def close(self) -> None:
         """Stop the expert I/O and predictor threads and unmap the shards no tensor views any more; the engine is
@@ -156,6 +171,8 @@ class Engine:
             rt.predictor_worker.close()
         rt.pipeline.close()
         self._decoders.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.files is not None:
             self.files.close()
 
@@ -200,7 +217,7 @@ class Engine:
         self, prompt: str, images: list[str | Path | Image.Image] | None = None, videos: list[Clip] | None = None
     ) -> PromptInputs:
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_prompt(self.processor, prompt, loaded, videos or [])
+        return self._with_image_keys(encode_prompt(self.processor, prompt, loaded, videos or []), loaded)
 
     def encode_messages(
         self,
@@ -211,7 +228,17 @@ class Engine:
         """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order, `{"type": "video"}`
         parts `videos` (clips of frames: vismmoe_edge/video.py)."""
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return encode_messages(self.processor, messages, loaded, videos or [])
+        return self._with_image_keys(encode_messages(self.processor, messages, loaded, videos or []), loaded)
+
+    def _with_image_keys(self, inputs: PromptInputs, images: list[Image.Image]) -> PromptInputs:
+        """With a prefix cache, address each image by its decoded pixels and the processor's settings: hashing
+        them costs a fraction of hashing the processor's float patches (prefix_cache.pixels_key)."""
+        if self.prefix_cache is not None and images and inputs.pixel_values is not None:
+            if self._processor_settings is None:
+                self._processor_settings = processor_settings(self.processor)
+            salt = self.prefix_cache.salt + self._processor_settings
+            inputs.image_keys = [pixels_key(img, salt) for img in images]
+        return inputs
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep SDPA off the cuDNN backend: it builds a new graph for every KV length, which made each
@@ -224,22 +251,36 @@ class Engine:
 
     # ---- prefill ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, inputs: PromptInputs, timings: Timings | None = None) -> tuple[torch.Tensor, DecodeState]:
-        """Run the whole prompt through every layer; return last-position logits [vocab] and the decode state."""
+    def prefill(
+        self, inputs: PromptInputs, timings: Timings | None = None, *, use_cache: bool = True
+    ) -> tuple[torch.Tensor, DecodeState]:
+        """Run the prompt through every layer; return last-position logits [vocab] and the decode state. With a
+        prefix cache (and `use_cache`), the images' vision features and the KV of the longest prompt prefix seen
+        before are reused, and only the rest of the prompt is prefilled (prefix_cache.py)."""
         with self._attention_kernels():
-            return self._prefill(inputs, timings)
+            return self._prefill(inputs, timings or Timings(), use_cache)
 
-    def _prefill(self, inputs: PromptInputs, timings: Timings | None) -> tuple[torch.Tensor, DecodeState]:
-        timings = timings or Timings()
+    def _prefill(self, inputs: PromptInputs, timings: Timings, use_cache: bool) -> tuple[torch.Tensor, DecodeState]:
         lm = self.language_model
         input_ids = inputs.input_ids.to(self.device)
-        for observer in self.observers:
-            observer.begin_step("prefill", input_ids.shape[1])
-        hidden = lm.embed_tokens(input_ids)
-        visual_mask = None
-        deepstack: list[torch.Tensor] = []
         video = inputs.pixel_values_videos is not None
         compress = self.compression.method != "none" and inputs.pixel_values is not None and not video
+        cache_on = self.prefix_cache is not None and use_cache
+        # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
+        # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position. Clips are
+        # not addressed by content: a prompt with one neither reuses nor keeps anything.
+        reuse_kv = cache_on and not compress and self.experts.replay is None and not self._has_video(input_ids)
+        keys: list[str] = []
+        if cache_on and inputs.pixel_values is not None and not video:
+            keys = inputs.image_keys or self._image_keys(inputs)
+        content = self._content(input_ids, inputs, keys) if reuse_kv else None
+        entry, reused = self.prefix_cache.match(content) if content is not None else (None, 0)  # type: ignore[union-attr]
+        timings.prefix_reused_tokens = reused
+        for observer in self.observers:
+            observer.begin_step("prefill", input_ids.shape[1] - reused)
+        hidden = lm.embed_tokens(input_ids[:, reused:])
+        visual_mask = None
+        deepstack: list[torch.Tensor] = []
         self.last_compression = None
         if video and self.compression.method != "none":
             note = "not applied: video tokens are not compressed"
@@ -251,24 +292,37 @@ class Engine:
             grid = inputs.image_grid_thw.to(self.device) if inputs.pixel_values is not None else None
             if compress and self.compression.needs_saliency:
                 saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
-            with saliency if saliency is not None else contextlib.nullcontext():
-                visual, visual_mask = self._visual_features(inputs, input_ids, grid)
+            visual = self._cached_vision(keys, timings) if keys and saliency is None else None
+            if visual is None:
+                with saliency if saliency is not None else contextlib.nullcontext():
+                    visual, full_mask = self._visual_features(inputs, input_ids, grid)
+                if keys:
+                    self._keep_vision(keys, visual, grid)
+            else:
+                full_mask = input_ids == self.model.config.image_token_id
             timings.vision_s = time.perf_counter() - start
             image_embeds = visual.embeds.to(hidden.dtype)  # images' and clips' tokens, in prompt order
-            deepstack = visual.deepstack
-            if int(visual_mask.sum()) != image_embeds.shape[0]:
+            if int(full_mask.sum()) != image_embeds.shape[0]:
                 raise ValueError(
-                    f"prompt has {int(visual_mask.sum())} visual tokens, images and videos give {image_embeds.shape[0]}"
+                    f"prompt has {int(full_mask.sum())} visual tokens, images and videos give {image_embeds.shape[0]}"
                 )
-            hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds)
+            before = int(full_mask[:, :reused].sum())  # visual tokens whose KV the cache gave
+            deepstack = [features[before:] for features in visual.deepstack]
+            visual_mask = full_mask[:, reused:]
+            hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds[before:])
             self.interest_rows, self.visual_summary = visual_mask[0], image_embeds.float().mean(dim=0)
             video_grid = inputs.video_grid_thw.to(self.device) if video else None
             mm_types = inputs.mm_token_type_ids.to(self.device)
             positions = self.ops.rope_positions(self.model, input_ids, mm_types, grid, video_grid=video_grid)
         else:
             positions = torch.arange(input_ids.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        next_position = int(positions.max()) + 1  # decode continues the uncompressed numbering
+        positions = positions[..., reused:]
 
         cache = DynamicCache(config=self.text_config)
+        if entry is not None:
+            for i in range(len(lm.layers)):
+                cache.update(entry.keys[i][:, :, :reused], entry.values[i][:, :, :reused], i)
         cos_sin = self.ops.rotary(lm, hidden, positions)
         mask = create_causal_mask(
             config=self.text_config,
@@ -276,7 +330,6 @@ class Engine:
             attention_mask=torch.ones(input_ids.shape, dtype=torch.long, device=self.device),
             cache=cache,
         )
-        next_position = int(positions.max()) + 1  # decode continues the uncompressed numbering
         cut_at = self._cut_layer() if compress else -1
         if cut_at >= len(lm.layers):
             note = "every MoE layer is pinned: no layer after the prefix is left to run on fewer tokens"
@@ -320,6 +373,10 @@ class Engine:
             if route_hook is not None:
                 self.experts.route_hooks.remove(route_hook)
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
+        if content is not None and bool(torch.isfinite(logits).all()):  # for later requests that start the same way
+            self.prefix_cache.store(  # type: ignore[union-attr]
+                content, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+            )
         for observer in self.observers:
             observer.end_step("prefill", 0)
         self.interest_rows = None  # decode steps carry one token
@@ -341,6 +398,51 @@ class Engine:
         if inputs.pixel_values is None:
             return clips, video_mask
         return join_in_prompt_order(images, clips, image_mask[0], video_mask[0]), image_mask | video_mask
+
+    # ---- the prefix cache's keys and entries ---------------------------------------------------------------
+    def _has_video(self, input_ids: torch.Tensor) -> bool:
+        """Video placeholders are not addressed by content here: a prompt holding any never reuses or keeps KV
+        (two clips of one size would otherwise compare equal)."""
+        video = getattr(self.model.config, "video_token_id", None)
+        return video is not None and bool((input_ids == video).any())
+
+    def _image_keys(self, inputs: PromptInputs) -> list[str]:
+        """Each image's content address: its own rows of the processor's patches, its grid, the model's salt."""
+        grid = inputs.image_grid_thw
+        assert inputs.pixel_values is not None and grid is not None and self.prefix_cache is not None
+        rows = [int(t * h * w) for t, h, w in grid.tolist()]
+        patches = inputs.pixel_values.split(rows)
+        return [image_key(p, g, self.prefix_cache.salt) for p, g in zip(patches, grid, strict=True)]
+
+    def _content(self, input_ids: torch.Tensor, inputs: PromptInputs, keys: list[str]) -> torch.Tensor:
+        """The prompt as the prefix cache compares it: token ids, each image's placeholders its image's code."""
+        content = input_ids[0].to("cpu", torch.long).clone()
+        if keys:
+            counts = self.ops.visual_token_counts(self.model, inputs.image_grid_thw)
+            codes = torch.cat(
+                [torch.full((n,), image_code(k), dtype=torch.long) for k, n in zip(keys, counts, strict=True)]
+            )
+            placeholders = content == self.model.config.image_token_id
+            if int(placeholders.sum()) == codes.numel():  # else prefill refuses the prompt with its own message
+                content[placeholders] = codes
+        return content
+
+    def _cached_vision(self, keys: list[str], timings: Timings) -> VisualFeatures | None:
+        found = self.prefix_cache.vision(keys)  # type: ignore[union-attr]
+        if found is None:
+            return None
+        timings.vision_cached_images = len(found)
+        layers = len(found[0].deepstack)
+        deepstack = [torch.cat([f.deepstack[i] for f in found]) for i in range(layers)]
+        return VisualFeatures(torch.cat([f.embeds for f in found]), deepstack)
+
+    def _keep_vision(self, keys: list[str], visual: VisualFeatures, grid: torch.Tensor) -> None:
+        counts = self.ops.visual_token_counts(self.model, grid)
+        embeds = visual.embeds.split(counts)
+        stacks = [features.split(counts) for features in visual.deepstack]
+        for i, key in enumerate(keys):  # copies: an entry must not hold the whole request's tensor alive
+            features = CachedVision(embeds[i].clone(), tuple(s[i].clone() for s in stacks))
+            self.prefix_cache.put_vision(key, features)  # type: ignore[union-attr]
 
     def _cut_layer(self) -> int:
         """The decoder layer before which visual tokens are dropped: the first one after the pinned prefix."""
@@ -485,15 +587,17 @@ class Engine:
         *,
         timings: Timings | None = None,
         should_stop: Callable[[], bool] | None = None,
+        use_cache: bool = True,
     ) -> Iterator[int]:
-        """Yield token ids as they are produced. `should_stop` is polled between tokens (cancellation)."""
+        """Yield token ids as they are produced. `should_stop` is polled between tokens (cancellation);
+        `use_cache=False` neither reads nor fills the prefix cache for this request."""
         sampling = sampling or SamplingConfig()
         sampling.validate()
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
         sampler = Sampler(sampling, stop_ids)
         timings = timings if timings is not None else Timings()
         start = time.perf_counter()
-        logits, state = self.prefill(inputs, timings)
+        logits, state = self.prefill(inputs, timings, use_cache=use_cache)
         self._check_finite(logits, "prefill", self.prefill, inputs)
         token = sampler(logits, 0)
         if sampling.max_new_tokens > 1 and token not in stop_ids:
@@ -579,6 +683,7 @@ class Engine:
         *,
         on_text: Callable[[str], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        use_cache: bool = True,
     ) -> GenerationResult:
         sampling = sampling or SamplingConfig()
         stop_ids = self.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
@@ -586,7 +691,7 @@ class Engine:
         timings = Timings()
         tokens: list[int] = []
         text = TextStream(self.processor.tokenizer)
-        for token in self.stream(inputs, sampling, timings=timings, should_stop=should_stop):
+        for token in self.stream(inputs, sampling, timings=timings, should_stop=should_stop, use_cache=use_cache):
             tokens.append(token)
             piece = text.push(token) if token not in stop_ids else ""
             if on_text is not None and piece:

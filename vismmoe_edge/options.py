@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # torch and the checkpoint readers load with the model, not w
     from vismmoe_edge.planning.plan import Plan
 
 
-
 @dataclass(frozen=True)
 class LoadOptions:
     """Every loading choice; None or "auto" leaves it to the planner."""
@@ -41,6 +40,7 @@ class LoadOptions:
     prefetch_depth: int | None = None  # MoE layers of predicted experts in flight ahead of compute
     host_tier: str = "auto"  # GPU slot pools: mirror the streamed experts in pinned host RAM (auto: where they fit)
     compression: CompressionConfig | None = None
+    prefix_cache_bytes: str = "auto"  # the prefix cache's bound: a size ("256MiB"), 0 (off), or auto (plan)
 
     @property
     def leaves_anything_to_plan(self) -> bool:
@@ -59,6 +59,7 @@ class ResolvedOptions:
     note: str = ""  # one line saying where the planned values came from ("" when nothing was planned)
     plan: Plan | None = None
     device: str = "auto"  # the plan's device where the user left it to the plan and this machine has it
+    prefix_cache_bytes: int = 0  # the prefix cache's bound (0: off)
 
 
 def resolve(
@@ -79,14 +80,21 @@ def resolve(
     o = options
     if o.host_tier not in ("auto", "on", "off"):
         raise VismmoeError(f"--host-tier {o.host_tier!r}: use auto, on or off")
+    prefix_cache = parse_prefix_cache(o.prefix_cache_bytes)
     depth = o.prefetch_depth
     if not o.leaves_anything_to_plan:
         assert o.pinned_layers is not None
         depth = DEFAULT_PREFETCH_DEPTH if depth is None else depth
-        budget = budget_bytes(o.memory_budget, checkpoint.catalogue, compute_dtype(o, checkpoint, o.device))
+        dtype = compute_dtype(o, checkpoint, o.device)
+        budget = budget_bytes(o.memory_budget, checkpoint.catalogue, dtype)
         check_fixed_budget(budget, o.tier, checkpoint)
         host, _ = resolve_host_tier(o, checkpoint, o.tier, o.pinned_layers, mem_available)
-        return ResolvedOptions(budget, o.pinned_layers, o.tier, depth, host, device=o.device)
+        if prefix_cache is None:
+            from vismmoe_edge.planning.memory_plan import DEFAULT_PROMPT_TOKENS, default_prefix_cache_bytes
+
+            prefix_cache = default_prefix_cache_bytes(checkpoint, DEFAULT_PROMPT_TOKENS, dtype.itemsize)
+        return ResolvedOptions(budget, o.pinned_layers, o.tier, depth, host, device=o.device,
+                               prefix_cache_bytes=prefix_cache)  # fmt: skip
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.planning.plan import make_plan
 
@@ -95,7 +103,7 @@ def resolve(
     dtype = compute_dtype(o, checkpoint, "cuda" if o.device == "auto" and here else o.device)
     plan = make_plan(
         checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free, gpu=gpu,
-        dtype=dtype,
+        dtype=dtype, prefix_cache_bytes=prefix_cache,
     )  # fmt: skip
     plan.warnings[:0] = warnings + ([gpu_note] if gpu_note else [])
     pinned = o.pinned_layers
@@ -122,7 +130,26 @@ def resolve(
         f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
         f"{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
     )
-    return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device)
+    return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device, plan.prefix_cache_bytes)
+
+
+def parse_prefix_cache(text: str) -> int | None:
+    """--prefix-cache-bytes: "auto" (None: the plan's share), 0 or "off" (no cache), or a size ("256MiB")."""
+    from vismmoe_edge.units import parse_size
+
+    text = str(text).strip()
+    if text == "auto":
+        return None
+    if text in ("0", "off"):
+        return 0
+    if text.startswith("-"):
+        raise VismmoeError(f"--prefix-cache-bytes {text!r}: must not be negative; use 0 to turn the cache off")
+    try:
+        return parse_size(text, what="--prefix-cache-bytes")
+    except VismmoeError:
+        raise VismmoeError(
+            f"--prefix-cache-bytes {text!r}: use auto (the plan's share), 0 (off), or a size like 256MiB"
+        ) from None
 
 
 def compute_dtype(options: LoadOptions, checkpoint: CheckpointInfo, device: str) -> torch.dtype:
@@ -216,6 +243,11 @@ def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: Re
     )
     if options.compression is not None:
         engine.compression = options.compression
+    if resolved.prefix_cache_bytes > 0:
+        from vismmoe_edge.prefix_cache import PrefixCache
+
+        salt = f"{engine.model_dir.resolve()}|{engine.dtype}|{engine.device}"
+        engine.prefix_cache = PrefixCache(resolved.prefix_cache_bytes, salt=salt)
     return engine
 
 

@@ -25,6 +25,7 @@ class PromptInputs:
     mm_token_type_ids: torch.Tensor | None = None  # [1, N]
     pixel_values_videos: torch.Tensor | None = None  # [patches, C*T*P*P], every clip's
     video_grid_thw: torch.Tensor | None = None  # [videos, 3]
+    image_keys: list[str] | None = None  # each image's prefix-cache address, when the engine computed it
 
     @property
     def num_tokens(self) -> int:

@@ -100,3 +100,11 @@ VideoMaxFramesOpt = Annotated[
 VideoMaxPixelsOpt = Annotated[
     int, typer.Option("--video-max-pixels", min=1, help="pixels of each frame once resized (32x32 per token pair)")
 ]
+PrefixCacheOpt = Annotated[
+    str,
+    typer.Option(
+        "--prefix-cache-bytes",
+        help="bound of the cache of images' vision features and prompt-prefix KV reused across requests: a size "
+        "(256MiB), 0 (off), or auto (the plan's share: one longest prompt)",
+    ),
+]

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from vismmoe_edge.cli.common import demo_model, fail
-from vismmoe_edge.cli.options import DeviceOpt, PlanBitsOpt, PlanDenseBitsOpt, PlanGroupOpt
+from vismmoe_edge.cli.options import DeviceOpt, PlanBitsOpt, PlanDenseBitsOpt, PlanGroupOpt, PrefixCacheOpt
 from vismmoe_edge.errors import VismmoeError
 
 
@@ -32,11 +32,12 @@ def plan_command(
     max_context: Annotated[
         int | None, typer.Option("--max-context", min=1, help="positions the KV cache holds (default 4608)")
     ] = None,
+    prefix_cache_bytes: PrefixCacheOpt = "auto",
 ) -> None:
     """Choose the device, tier, pinned-prefix depth, expert-cache size and prefetch depth for this machine (or, with
     a Jetson --profile off the board, for that module's memory), and the memory each part takes; say why."""
     from vismmoe_edge.hardware.profiles import select_profile
-    from vismmoe_edge.options import plan_gpu
+    from vismmoe_edge.options import parse_prefix_cache, plan_gpu
     from vismmoe_edge.planning.plan import GIB, format_plan, make_plan
 
     try:
@@ -54,6 +55,7 @@ def plan_command(
             group_size=group_size,
             max_context=max_context,
             takes_c_safe_option=True,
+            prefix_cache_bytes=parse_prefix_cache(prefix_cache_bytes),
         )
     except VismmoeError as e:
         raise fail(str(e)) from None

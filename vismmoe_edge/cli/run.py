@@ -25,6 +25,7 @@ from vismmoe_edge.cli.options import (
     PolicyOpt,
     PredictorOpt,
     PrefetchDepthOpt,
+    PrefixCacheOpt,
     ProfileOpt,
     SalientRatioOpt,
     TierOpt,
@@ -37,11 +38,19 @@ from vismmoe_edge.cli.options import (
 from vismmoe_edge.errors import VismmoeError
 
 if TYPE_CHECKING:
+    from vismmoe_edge.engine import GenerationResult
     from vismmoe_edge.video import VideoSettings
 
 
 def run(
-    prompt: Annotated[str | None, typer.Option("--prompt", help="the question or instruction")] = None,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--prompt",
+            help="the question or instruction; repeat to ask several about the same images in turn, each reusing "
+            "the image's prefill (the prefix cache)",
+        ),
+    ] = None,
     prompt_file: Annotated[
         Path | None,
         typer.Option("--prompt-file", help="read the prompt from this file ('-': standard input) instead of --prompt"),
@@ -71,6 +80,7 @@ def run(
     keep_ratio: KeepRatioOpt = 0.7,
     salient_ratio: SalientRatioOpt = 0.3,
     affinity_weight: AffinityWeightOpt = 2.0,
+    prefix_cache_bytes: PrefixCacheOpt = "auto",
     trace_out: Annotated[
         Path | None, typer.Option("--trace-out", help="write per-step, per-layer routing and cache telemetry (JSONL)")
     ] = None,
@@ -81,7 +91,7 @@ def run(
 ) -> None:
     """Answer a prompt about zero or more images and clips, streaming the reply, then report time and expert traffic."""
     try:
-        prompt = read_prompt(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
+        questions = read_prompts(prompt, prompt_file)  # before torch is imported: a wrong invocation fails at once
         check_image_files(image or [])
         video_settings = check_video_options(video or [], video_frames or [], video_fps, video_max_frames)
     except VismmoeError as e:
@@ -111,16 +121,24 @@ def run(
         from vismmoe_edge.video import read_clips
 
         clips = read_clips(engine.processor, video or [], video_frames or [], video_settings, video_max_pixels)
-        inputs = engine.encode(prompt, images, clips)
-        check_context(inputs.num_tokens, max_new_tokens, engine)
+        all_inputs = [engine.encode(question, images, clips) for question in questions]  # every prompt checked first
+        for inputs in all_inputs:
+            check_context(inputs.num_tokens, max_new_tokens, engine)
         temperature, top_p = sampling_floor(temperature, top_p)  # 1e-300 would make NaN probabilities
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
+        results = []
         try:
-            result = engine.generate_from_inputs(inputs, sampling, on_text=on_text)
+            for i, inputs in enumerate(all_inputs):
+                if i and not as_json:
+                    report_question(results[-1], i, len(questions))
+                sampling = SamplingConfig(
+                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+                )
+                results.append(engine.generate_from_inputs(inputs, sampling, on_text=on_text))
         finally:
             if writer is not None:
                 writer.close()
+        result = results[-1]
     except VismmoeError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
@@ -129,8 +147,18 @@ def run(
     if plan_note:  # after the run, so that a failing run still prints exactly one line
         typer.echo(("" if as_json else "\n") + plan_note, err=True)
     if as_json:
-        typer.echo(json.dumps(result.as_dict()))
+        if len(results) == 1:
+            typer.echo(json.dumps(result.as_dict()))
+        else:
+            answers = [
+                {"question": q, "ttft_s": r.timings.prefill_s} | r.as_dict()
+                for q, r in zip(questions, results, strict=True)
+            ]
+            stats = engine.prefix_cache.stats().as_dict() if engine.prefix_cache is not None else None
+            typer.echo(json.dumps({"answers": answers, "prefix_cache": stats}))
         return
+    if len(results) > 1:
+        report_question(result, len(results), len(results))
     from vismmoe_edge.units import format_bytes
 
     t, x = result.timings, result.experts
@@ -170,6 +198,29 @@ def run(
         f"{format_bytes(x['bytes_read'])} read, peak resident {format_bytes(x['peak_resident_bytes'])}]",
         err=True,
     )
+
+
+def report_question(result: GenerationResult, number: int, total: int) -> None:
+    """After each of several questions: its answer ends its line; its time to first token and reuse go to stderr."""
+    t = result.timings
+    typer.echo("")
+    typer.echo(
+        f"[question {number}/{total}: time to first token {t.prefill_s * 1000:.0f} ms, "
+        f"{t.prefix_reused_tokens} of {len(result.prompt_token_ids)} prompt tokens reused from the prefix cache, "
+        f"vision features of {t.vision_cached_images} images reused]",
+        err=True,
+    )
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[str]:
+    """Several --prompt (questions asked in turn about the same images), or one --prompt or --prompt-file."""
+    if prompts and len(prompts) > 1:
+        if prompt_file is not None:
+            raise VismmoeError("give the questions with --prompt (repeated) or one prompt with --prompt-file, not both")
+        if not all(p.strip() for p in prompts):
+            raise VismmoeError("one --prompt is empty; give each question as text")
+        return prompts
+    return [read_prompt(prompts[0] if prompts else None, prompt_file)]
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -21,6 +21,7 @@ from vismmoe_edge.cli.options import (
     PolicyOpt,
     PredictorOpt,
     PrefetchDepthOpt,
+    PrefixCacheOpt,
     ProfileOpt,
     SalientRatioOpt,
     TierOpt,
@@ -67,6 +68,7 @@ def serve_command(
     keep_ratio: KeepRatioOpt = 0.7,
     salient_ratio: SalientRatioOpt = 0.3,
     affinity_weight: AffinityWeightOpt = 2.0,
+    prefix_cache_bytes: PrefixCacheOpt = "auto",
     profile: ProfileOpt = "auto",  # SIGHUP re-plans
     image_dir: Annotated[
         list[Path] | None,

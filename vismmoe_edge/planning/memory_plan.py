@@ -10,7 +10,9 @@ the smaller of MemAvailable and what the cgroup leaves, before it sizes the pinn
 - the KV cache for `context_tokens` positions;
 - prefill activations for `prompt_tokens` tokens, or the vision tower's peak over one image where that is larger
   (an estimate, [I], below);
-- the page cache of reads in flight (buffered reads are dropped right after they land in a slot).
+- the page cache of reads in flight (buffered reads are dropped right after they land in a slot);
+- the prefix cache (prefix_cache.py): vision features and prompt-prefix KV kept across requests, by default room
+  for one prompt of `prompt_tokens` positions (the daemon's longest prompt: the latest frame's prefill stays warm).
 
 The estimates are upper-bound arithmetic from the config, not measurements; the profile's reserve (C_safe)
 still covers the OS, the CUDA context and allocator slack.
@@ -41,6 +43,7 @@ class RuntimeParts:
     context_tokens: int
     prompt_tokens: int
     vision_peak_bytes: int = 0  # of activation_bytes: the vision tower's peak over the largest image, if larger
+    prefix_cache_bytes: int = 0  # the bound of the prefix cache (vision features and prefix KV across requests)
 
     @property
     def total_bytes(self) -> int:
@@ -50,6 +53,7 @@ class RuntimeParts:
             + self.kv_cache_bytes
             + self.activation_bytes
             + self.io_in_flight_bytes
+            + self.prefix_cache_bytes
         )
 
     def as_dict(self) -> dict[str, int]:
@@ -64,6 +68,22 @@ def kv_bytes_per_token(checkpoint: CheckpointInfo, itemsize: int) -> int:
     if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA caches the up-projected heads in transformers
         head_dim = int(getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0)) or head_dim
     return int(text.num_hidden_layers) * 2 * heads * head_dim * itemsize
+
+
+def vision_feature_bytes_per_token(checkpoint: CheckpointInfo, itemsize: int) -> int:
+    """One visual token's vision-tower output as the prefix cache keeps it: the merged embedding and, for Qwen's
+    DeepStack, one more hidden-sized row per injected layer."""
+    text = checkpoint.config.text_config
+    vision = getattr(checkpoint.config, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    return (1 + deepstack) * int(text.hidden_size) * itemsize
+
+
+def default_prefix_cache_bytes(checkpoint: CheckpointInfo, prompt_tokens: int, itemsize: int) -> int:
+    """Room for one prompt of `prompt_tokens` positions: its KV and, were every position an image's, its vision
+    features. The cache then always keeps the latest request's prefill (one frame, many questions)."""
+    per_token = kv_bytes_per_token(checkpoint, itemsize) + vision_feature_bytes_per_token(checkpoint, itemsize)
+    return prompt_tokens * per_token
 
 
 def vision_peak_bytes(checkpoint: CheckpointInfo, image_tokens: int, itemsize: int) -> int:
@@ -101,10 +121,12 @@ def runtime_parts(
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     prompt_tokens: int | None = None,
     weights: WeightBytes | None = None,
+    prefix_cache_bytes: int | None = None,
 ) -> RuntimeParts:
     """The non-expert parts at the compute dtype `device` gets by default (float16 becomes float32 on the CPU).
     `weights`: the parts' bytes after a planned conversion (weights.weight_bytes); default: as stored.
-    `prompt_tokens` defaults to DEFAULT_PROMPT_TOKENS, or the context when that is shorter."""
+    `prompt_tokens` defaults to DEFAULT_PROMPT_TOKENS, or the context when that is shorter. `prefix_cache_bytes`:
+    the prefix cache's bound (0: off); default: one prompt's worth (default_prefix_cache_bytes)."""
     stored = checkpoint.stored_dtype
     itemsize = 4 if device == "cpu" and str(stored) == "torch.float16" else stored.itemsize
     if weights is None:
@@ -122,4 +144,7 @@ def runtime_parts(
         context_tokens=context_tokens,
         prompt_tokens=prompt,
         vision_peak_bytes=vision,
+        prefix_cache_bytes=default_prefix_cache_bytes(checkpoint, prompt, itemsize)
+        if prefix_cache_bytes is None
+        else prefix_cache_bytes,
     )

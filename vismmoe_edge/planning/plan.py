@@ -8,7 +8,7 @@ activations, reads in flight) and keep room for one layer's top-k experts in the
     M_avail = min(MemAvailable, what the memory cgroup leaves)   (unified memory; free GPU memory on a dGPU)
               (a Jetson profile planned on another machine: the module's memory less the OS and a camera
               pipeline, board_memory.py, instead of this machine's MemAvailable)
-    M_e   = M_avail - C_safe - R - KV - A - IO         (memory left for expert weights)
+    M_e   = M_avail - C_safe - R - KV - A - IO - P     (memory left for expert weights; P: the prefix cache)
     L_max = n                                         if M_e >= n * S_layer (every expert fits)
           = floor((M_e - k * S_e) / S_layer)          otherwise
     L     = min(L_semantic, n, L_max)                 (warn when L_max < L_semantic)
@@ -90,6 +90,7 @@ class Plan:
     resident_bf16_bytes: int = 0  # the non-expert weights at bf16, for comparison
     total_expert_bytes: int = 0
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    prefix_cache_bytes: int = 0  # vision features and prompt-prefix KV kept across requests (prefix_cache.py)
     why: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -186,6 +187,7 @@ def make_plan(
     max_context: int | None = None,
     dtype: torch.dtype | None = None,
     takes_c_safe_option: bool = False,
+    prefix_cache_bytes: int | None = None,
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
     (MemAvailable on unified memory, free GPU memory on discrete; a Jetson profile on another machine: the
@@ -194,8 +196,9 @@ def make_plan(
     ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
     `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the compute
     dtype float weights are held at (None: the checkpoint's; float16 on the CPU is float32), so that the plan
-    counts what the loader's cache holds. ``takes_c_safe_option``: the calling command has --c-safe-gib (`plan`;
-    `run` and `serve` take C_safe from the profile), so a refusal may name it."""
+    counts what the loader's cache holds. ``prefix_cache_bytes``: the prefix cache's bound (None: one prompt's
+    worth, memory_plan.default_prefix_cache_bytes; 0: off). ``takes_c_safe_option``: the calling command has
+    --c-safe-gib (`plan`; `run` and `serve` take C_safe from the profile), so a refusal may name it."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
@@ -215,7 +218,11 @@ def make_plan(
     expert_dtype = _expert_dtype(checkpoint, weights, group_size)
     if dtype is not None and weights.bits is None and checkpoint.catalogue.quant is None:
         expert_dtype = f"the compute dtype {str(dtype).removeprefix('torch.')}"
-    parts = runtime_parts(checkpoint, device=device, context_tokens=context, weights=weights)
+    if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+        raise VismmoeError(f"--prefix-cache-bytes {prefix_cache_bytes}: must not be negative (0 turns it off)")
+    parts = runtime_parts(
+        checkpoint, device=device, context_tokens=context, weights=weights, prefix_cache_bytes=prefix_cache_bytes
+    )
     resident = parts.language_weights_bytes + parts.vision_weights_bytes
     others = parts.total_bytes - resident
     board = None
@@ -246,7 +253,16 @@ def make_plan(
         f"{format_bytes(parts.activation_bytes)} of prefill activations for {parts.prompt_tokens} tokens (an "
         f"estimate; the vision tower's peak over as many image tokens is {format_bytes(parts.vision_peak_bytes)}, "
         f"freed before the prefill), IO = {format_bytes(parts.io_in_flight_bytes)} of reads in flight: subtracted",
-        f"M_e = M_avail - C_safe - R - KV - A - IO = {format_bytes(m_e)} for expert weights",
+        f"P = {format_bytes(parts.prefix_cache_bytes)} of prefix cache ("
+        + (
+            "off"
+            if not parts.prefix_cache_bytes
+            else "--prefix-cache-bytes"
+            if prefix_cache_bytes is not None
+            else f"default: one {parts.prompt_tokens}-token prompt's KV and vision features"
+        )
+        + "; an image's prefill reused by later questions): subtracted",
+        f"M_e = M_avail - C_safe - R - KV - A - IO - P = {format_bytes(m_e)} for expert weights",
         f"S_layer = {e} experts x {format_bytes(s_e)} = {format_bytes(s_layer)} per MoE layer ({n} MoE layers, "
         f"top-{k}; sizes at {expert_dtype})",
     ]
@@ -344,6 +360,7 @@ def make_plan(
         resident_bf16_bytes=bf16_resident_bytes(checkpoint),
         total_expert_bytes=weights.expert_bytes,
         context_tokens=context,
+        prefix_cache_bytes=parts.prefix_cache_bytes,
         why=why,
         warnings=warnings,
     )
@@ -397,6 +414,7 @@ PART_NAMES = {
     "kv_cache_bytes": "KV cache",
     "activation_bytes": "activations",
     "io_in_flight_bytes": "reads in flight",
+    "prefix_cache_bytes": "prefix cache",
     "pinned_prefix_bytes": "pinned prefix",
     "cache_bytes": "expert cache",
     "reserve_bytes": "reserve (C_safe)",
@@ -413,6 +431,7 @@ def format_plan(plan: Plan) -> str:
         f"(--memory-budget {plan.memory_budget_bytes} --pinned-layers {plan.pinned_layers} --tier {plan.tier} "
         f"--device {plan.device})",
         f"  prefetch depth  {plan.prefetch_depth}",
+        f"  prefix cache    {format_bytes(plan.prefix_cache_bytes)} (--prefix-cache-bytes {plan.prefix_cache_bytes})",
         f"  memory          {format_bytes(plan.m_avail_bytes)} available ({plan.m_avail_source}), spent on:",
     ]
     lines += [f"    {PART_NAMES[name]:<17} {format_bytes(value)}" for name, value in plan.memory_parts.items()]

@@ -29,7 +29,7 @@ FIELDS = frozenset(
     """messages model max_tokens max_completion_tokens temperature top_p seed stop stream stream_options min_tokens
     presence_penalty frequency_penalty logit_bias response_format n logprobs top_logprobs tools tool_choice
     functions function_call parallel_tool_calls audio modalities prediction web_search_options user metadata store
-    service_tier repetition_penalty top_k best_of guided_json guided_regex guided_grammar""".split()
+    service_tier repetition_penalty top_k best_of guided_json guided_regex guided_grammar prefix_cache""".split()
 )
 
 

@@ -263,7 +263,7 @@ class Service:
             )
 
     def health(self) -> dict[str, Any]:
-        """"ok" only when requests are served (HTTP 200); "loading" and "draining" answer 503, as llama-server."""
+        """ "ok" only when requests are served (HTTP 200); "loading" and "draining" answer 503, as llama-server."""
         worker = self.worker
         return {
             "status": self.state,
@@ -303,6 +303,7 @@ class Service:
                     "refused clients whose place in line is kept for their retry",
                     [({}, worker.admission.held if worker else 0)],
                 ),
+                *metrics_text.prefix_cache_samples(self.engine.prefix_cache if self.engine is not None else None),
             ],
         )
 

@@ -93,6 +93,28 @@ def rss_anon_bytes() -> int:
     return 0
 
 
+def prefix_cache_samples(cache: Any) -> list[Sample]:
+    """The prefix cache's counters (prefix_cache.py); none when it is off."""
+    if cache is None:
+        return []
+    s = cache.stats()
+    kinds = [({"kind": "prefix"}, s.prefix_hits), ({"kind": "vision"}, s.vision_hits)]
+    missed = [({"kind": "prefix"}, s.prefix_misses), ({"kind": "vision"}, s.vision_misses)]
+    return [
+        ("vismmoe_prefix_cache_hits_total", "counter", "requests that reused a cached prompt prefix or images", kinds),
+        ("vismmoe_prefix_cache_misses_total", "counter", "requests that found nothing to reuse", missed),
+        ("vismmoe_prefix_cache_reused_tokens_total", "counter", "prompt tokens not prefilled", [({}, s.reused_tokens)]),
+        (
+            "vismmoe_prefix_cache_evictions_total",
+            "counter",
+            "entries evicted, least recently used",
+            [({}, s.evictions)],
+        ),
+        ("vismmoe_prefix_cache_bytes", "gauge", "bytes the prefix cache holds", [({}, s.bytes)]),
+        ("vismmoe_prefix_cache_capacity_bytes", "gauge", "--prefix-cache-bytes", [({}, s.capacity_bytes)]),
+        ("vismmoe_prefix_cache_entries", "gauge", "entries held (images and prefixes)", [({}, s.entries)]),
+    ]
+
 
 def host_mem_available() -> int:
     """MemAvailable, or 0 where /proc/meminfo cannot be read (a gauge must not fail a scrape)."""

@@ -149,6 +149,7 @@ class ChatRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema"}
     videos: list[Any] = field(default_factory=list)  # what the video reader returned, one per {"type": "video"}
+    prefix_cache: bool = True  # our extension: false neither reuses nor keeps this request's prefill
 
 
 def sampling_floor(temperature: float, top_p: float) -> tuple[float, float]:
@@ -314,6 +315,7 @@ def parse_chat_request(
         frequency_penalty=parse_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size),
         response_format=response_format,
+        prefix_cache=parse_bool(body, "prefix_cache", "prefix_cache", True),
     )
     media = Media(load_image, videos)
     messages = parse_messages(body.get("messages"), limits, media)  # last: images cost the most

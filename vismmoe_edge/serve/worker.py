@@ -343,7 +343,9 @@ class Worker:
         produced, finish, hit = 0, None, False
         self.metrics.absorb_expert_stats(self.engine.experts.pipeline)  # what prefetch did while idle
         sampling = self.sampling(req)
-        stream = self.engine.stream(inputs, sampling, timings=timings, should_stop=lambda: self.should_stop(job))
+        stream = self.engine.stream(
+            inputs, sampling, timings=timings, should_stop=lambda: self.should_stop(job), use_cache=req.prefix_cache
+        )
         with contextlib.closing(stream):
             for token in stream:
                 produced += 1

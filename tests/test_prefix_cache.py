@@ -1,0 +1,311 @@
+"""The prefix cache (issue 26): one image, many questions. The second question about an image reuses the image's
+vision features and the prompt prefix's KV, and its greedy tokens stay those of transformers' own model fed what
+its processor returns, and those of a cold run; the byte bound holds under eviction and under threads."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+
+from tests.hf_reference import NEW_TOKENS, hf_references
+from vismmoe_edge.prefix_cache import CachedVision, PrefixCache, image_code, shared_length
+from vismmoe_edge.sampling import SamplingConfig
+
+QUESTIONS = {"first": ("What shape is red?", 1), "second": ("Which shape is blue, and where is it?", 1)}
+
+
+def greedy() -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+
+
+def ask_twice(engine, prompts: dict, image: Path) -> tuple[list, list]:
+    """Each question with the cache (the first fills it, the second reuses it), then each cold."""
+    warm = [engine.generate_from_inputs(engine.encode(q, [image]), greedy()) for q, _ in prompts.values()]
+    cold = [
+        engine.generate_from_inputs(engine.encode(q, [image]), greedy(), use_cache=False) for q, _ in prompts.values()
+    ]
+    return warm, cold
+
+
+def check_reuse(engine, refs: dict, prompts: dict, image: Path) -> None:
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    try:
+        warm, cold = ask_twice(engine, prompts, image)
+    finally:
+        engine.prefix_cache = None
+    first, second = warm
+    assert first.timings.prefix_reused_tokens == 0 and first.timings.vision_cached_images == 0
+    image_tokens = int((refs["second"].inputs.input_ids == engine.model.config.image_token_id).sum())
+    # the whole image and the template before it came from the cache: only the question was prefilled
+    assert second.timings.prefix_reused_tokens > image_tokens
+    assert second.timings.vision_cached_images == 1
+    for name, result, cold_result in zip(prompts, warm, cold, strict=True):
+        assert result.token_ids == refs[name].tokens == cold_result.token_ids, name
+        assert result.prompt_token_ids == refs[name].inputs.input_ids[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def question_refs(checkpoints: dict[str, Path], images: list[Path]) -> dict:
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from vismmoe_edge.models.qwen3_vl_moe import load_qwen3_vl_processor
+    from vismmoe_edge.prompt import encode_prompt, load_image
+
+    model_dir = checkpoints["v5"]
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, experts_implementation="eager").eval()
+    processor = load_qwen3_vl_processor(model_dir)
+    encode = lambda prompt, paths: encode_prompt(processor, prompt, [load_image(p) for p in paths])  # noqa: E731
+    return hf_references(model, encode, images, QUESTIONS)
+
+
+@pytest.mark.parametrize(("budget", "pinned"), [("100%", 0), ("30%", 2)], ids=["all-resident", "budget-30%"])
+def test_second_question_reuses_the_prefill_with_transformers_tokens(
+    checkpoints: dict[str, Path], images: list[Path], question_refs: dict, budget: str, pinned: int
+) -> None:
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget=budget, pinned_layers=pinned, device="cpu")
+    check_reuse(engine, question_refs, QUESTIONS, images[0])
+
+
+def test_second_question_on_the_demo_model_matches_transformers(images: list[Path]) -> None:
+    """The shipped demo model (float32 on both sides), budget below 100%."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from vismmoe_edge.demo import TRAINED_DEMO_DIR
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.prompt import encode_prompt, load_image
+
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(TRAINED_DEMO_DIR, dtype=torch.float32).eval()
+    engine = load(TRAINED_DEMO_DIR, memory_budget="50%", pinned_layers=2, device="cpu", dtype="float32")
+    encode = lambda prompt, paths: encode_prompt(engine.processor, prompt, [load_image(p) for p in paths])  # noqa: E731
+    sample = ensure_sample_image()
+    prompts = {"first": ("What colour is the circle?", 1), "second": ("How many triangles are there?", 1)}
+    refs = hf_references(model, encode, [sample], prompts)
+    check_reuse(engine, refs, prompts, sample)
+
+
+def test_compression_reuses_vision_features_only(checkpoints: dict[str, Path], images: list[Path]) -> None:
+    """Under --compressor the cut after the pinned prefix shortens the sequence for the layers behind it, so the
+    whole prefill runs again: only the vision tower's output is reused (the random method reads no saliency), and
+    the tokens are those of a cold run with the same compression."""
+    from vismmoe_edge.compress.config import CompressionConfig
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=2, device="cpu")
+    engine.compression = CompressionConfig("random", keep_ratio=0.5)
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    warm, cold = ask_twice(engine, QUESTIONS, images[0])
+    assert [r.timings.prefix_reused_tokens for r in warm] == [0, 0]
+    assert [r.timings.vision_cached_images for r in warm] == [0, 1]
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    assert (
+        warm[1].compression is not None and warm[1].compression.kept_visual_tokens < warm[1].compression.visual_tokens
+    )
+    stats = engine.prefix_cache.stats()
+    assert stats.prefix_hits == 0 and stats.vision_hits == 1
+
+    engine.compression = CompressionConfig("saliency", keep_ratio=0.5)  # reads the tower's attention: runs it
+    again = engine.generate_from_inputs(engine.encode(QUESTIONS["second"][0], [images[0]]), greedy())
+    assert again.timings.vision_cached_images == 0 and again.timings.prefix_reused_tokens == 0
+
+
+def test_opt_out_and_another_image(checkpoints: dict[str, Path], images: list[Path]) -> None:
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    engine.prefix_cache = cache = PrefixCache(64 << 20, salt="test")
+    engine.generate_from_inputs(engine.encode("What shape is red?", [images[0]]), greedy())
+    before = cache.stats()
+    off = engine.generate_from_inputs(engine.encode("What is blue?", [images[0]]), greedy(), use_cache=False)
+    assert off.timings.prefix_reused_tokens == 0 and cache.stats() == before  # neither read nor written
+    other = engine.generate_from_inputs(engine.encode("What shape is red?", [images[1]]), greedy())
+    assert other.timings.prefix_reused_tokens < 16 and other.timings.vision_cached_images == 0  # another image
+    assert cache.stats().entries == before.entries + 2  # its features and its prefix
+    tensors = [t for e in cache._entries.values() for t in (e.keys + e.values if hasattr(e, "keys") else e.deepstack)]
+    # what the bound counts is what is held: no entry keeps a larger tensor (a whole request's) alive
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+
+
+# ---- the cache alone --------------------------------------------------------------------------------------------
+def kv(tokens: int, layers: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [torch.randn(1, 2, tokens, 8) for _ in range(layers)], [torch.randn(1, 2, tokens, 8) for _ in range(layers)]
+
+
+def content(*parts: list[int]) -> torch.Tensor:
+    return torch.tensor([t for part in parts for t in part], dtype=torch.long)
+
+
+def test_match_compares_images_not_just_placeholders() -> None:
+    cache = PrefixCache(1 << 20, min_reuse_tokens=4)
+    head = list(range(100, 110))
+    a, b = [image_code("a" * 32)] * 20, [image_code("b" * 32)] * 20
+    cache.store(content(head, a, [1, 2, 3]), *kv(33))
+    entry, reused = cache.match(content(head, a, [1, 2, 4, 5]))
+    assert entry is not None and reused == 32
+    entry, reused = cache.match(content(head, b, [1, 2, 3]))  # same size, another image: only the text before it
+    assert reused == 10
+    assert cache.match(content(head, a, [1, 2, 3]))[1] == 32  # the same prompt: all but its last position
+    assert shared_length(content([1, 2, 3]), content([1, 2])) == 2
+
+
+def test_store_keeps_one_entry_per_image_and_extends_conversations() -> None:
+    cache = PrefixCache(1 << 20, min_reuse_tokens=4)
+    img = [image_code("c" * 32)] * 20
+    cache.store(content([7] * 5, img, [1, 2]), *kv(27))
+    cache.store(content([7] * 5, img, [3, 4, 5]), *kv(28))  # another question: shares all of the image
+    assert cache.stats().entries == 1
+    cache.store(content([7] * 5, img, [1, 2], [9, 9, 9]), *kv(30))  # the next turn of the first: replaces it
+    stats = cache.stats()
+    assert stats.entries == 1 and cache.match(content([7] * 5, img, [1, 2], [9, 9, 9], [8]))[1] == 30
+
+
+def test_lru_bound_and_eviction() -> None:
+    one = sum(t.numel() * 4 for t in sum(kv(10), [])) + 10 * 8
+    cache = PrefixCache(3 * one, min_reuse_tokens=1)
+    for i in range(10):
+        cache.store(content([1000 + i] * 10), *kv(10))
+        assert cache.stats().bytes <= 3 * one
+    stats = cache.stats()
+    assert stats.entries == 3 and stats.evictions == 7
+    assert cache.match(content([1009] * 10 + [1]))[1] == 10  # the newest stay
+    assert cache.match(content([1000] * 10 + [1]))[0] is None  # the oldest went
+    cache.store(content([5] * 40), *kv(40))  # larger than the whole bound: not kept, nothing evicted for it
+    assert cache.stats().too_large == 1 and cache.stats().entries == 3
+    cache.put_vision("x", CachedVision(torch.zeros(10, 4), (torch.zeros(10, 4),)))
+    assert cache.stats().bytes <= 3 * one and cache.vision(["x"]) is not None and cache.vision(["x", "y"]) is None
+
+
+def test_threads_share_one_cache_within_its_bound() -> None:
+    capacity = 200_000
+    cache = PrefixCache(capacity, min_reuse_tokens=2)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(200):
+            n = rng.randint(4, 40)
+            prompt = content([rng.randint(0, 5)] * 3, [rng.randint(0, 50) for _ in range(n)])
+            if rng.random() < 0.5:
+                cache.store(prompt, *kv(prompt.numel()))
+            else:
+                entry, reused = cache.match(prompt)
+                if entry is not None and not (0 < reused < prompt.numel() and entry.keys[0].shape[2] >= reused):
+                    errors.append(f"bad match {reused} of {prompt.numel()}")
+            key = str(rng.randint(0, 30))
+            cache.put_vision(key, CachedVision(torch.zeros(rng.randint(1, 200), 16), ()))
+            cache.vision([key])
+            if cache.stats().bytes > capacity:
+                errors.append("over the bound")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stats = cache.stats()
+    held = sum(entry.nbytes for entry in cache._entries.values())
+    assert stats.bytes == held <= capacity and stats.entries == len(cache._entries) and stats.evictions > 0
+
+
+# ---- the plan and the CLI ---------------------------------------------------------------------------------------
+def test_the_plan_counts_the_prefix_cache(checkpoints: dict[str, Path], capsys) -> None:
+    from vismmoe_edge.checkpoint_info import inspect_checkpoint
+    from vismmoe_edge.cli.plan import plan_command
+    from vismmoe_edge.errors import VismmoeError
+    from vismmoe_edge.hardware.profiles import get_profile
+    from vismmoe_edge.options import parse_prefix_cache
+    from vismmoe_edge.planning.memory_plan import default_prefix_cache_bytes, runtime_parts
+    from vismmoe_edge.planning.plan import format_plan, make_plan
+
+    info = inspect_checkpoint(checkpoints["v5"])
+    default = default_prefix_cache_bytes(info, 4096, info.stored_dtype.itemsize)
+    assert default == runtime_parts(info, device="cpu").prefix_cache_bytes > 0
+    s_layer = info.catalogue.num_experts * info.catalogue.expert_bytes
+    m_e = 3 * s_layer  # what is left for experts once every other part, the prefix cache included, is counted
+    for bound in (None, 0, 1 << 20):
+        others = runtime_parts(info, device="cpu", prefix_cache_bytes=bound).total_bytes
+        plan = make_plan(info, get_profile("cpu"), mem_available=others + m_e, c_safe=0, cgroup=None,
+                         prefix_cache_bytes=bound)  # fmt: skip
+        assert plan.memory_budget_bytes == m_e  # the prefix cache came out of M_avail before the experts
+        assert (
+            plan.prefix_cache_bytes == plan.memory_parts["prefix_cache_bytes"] == (default if bound is None else bound)
+        )
+        assert plan.memory_parts["total_bytes"] <= plan.m_avail_bytes
+    assert "prefix cache    1.00 MiB" in format_plan(plan)
+    assert parse_prefix_cache("auto") is None and parse_prefix_cache("off") == 0 and parse_prefix_cache("2KiB") == 2048
+    for bad in ("lots", "-5", "0.0001"):
+        with pytest.raises(VismmoeError, match="--prefix-cache-bytes"):
+            parse_prefix_cache(bad)
+    with pytest.raises(typer.Exit):
+        plan_command(checkpoints["v5"], profile="cpu", prefix_cache_bytes="big")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prefix-cache-bytes 'big'" in err
+
+
+def test_run_answers_several_questions_reusing_the_image() -> None:
+    from typer.testing import CliRunner
+
+    from vismmoe_edge.cli import app
+
+    questions = ["What colour is the circle?", "How many shapes are there?"]
+    args = ["run", "--device", "cpu", "--max-new-tokens", "4", "--json"]
+    result = CliRunner().invoke(app, [*args, "--prompt", questions[0], "--prompt", questions[1]])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    first, second = report["answers"]
+    assert [first["question"], second["question"]] == questions
+    assert first["timings"]["prefix_reused_tokens"] == 0 and second["timings"]["prefix_reused_tokens"] > 64
+    assert second["ttft_s"] == second["timings"]["prefill_s"] > 0 and report["prefix_cache"]["prefix_hits"] == 1
+    cold = CliRunner().invoke(app, [*args, "--prompt", questions[1], "--prefix-cache-bytes", "0"])
+    assert cold.exit_code == 0, cold.output
+    assert json.loads(cold.stdout.strip().splitlines()[-1])["token_ids"] == second["token_ids"]
+    both = CliRunner().invoke(app, ["run", "--prompt", "a", "--prompt", "b", "--prompt-file", "x.txt"])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_image_keys_follow_pixels_and_processor_settings(checkpoints: dict[str, Path], images: list[Path]) -> None:
+    from PIL import Image
+
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    key = engine.encode("Q?", [images[0]]).image_keys
+    same = Image.open(images[0]).convert("RGB")
+    assert engine.encode("Another question?", [same]).image_keys == key  # the pixels, not the file or prompt
+    assert engine.encode("Q?", [Image.eval(same, lambda v: v ^ 1)]).image_keys != key
+    engine.processor.image_processor.size.longest_edge = 128 * 128
+    engine._processor_settings = None
+    assert engine.encode("Q?", [images[0]]).image_keys != key  # another resize bound: other visual tokens
+    # inputs built without the engine's encode are keyed by their processor patches, and reuse as well
+    first, second = (engine.encode(q, [images[0]]) for q, _ in QUESTIONS.values())
+    first.image_keys = second.image_keys = None
+    engine.generate_from_inputs(first, greedy())
+    assert engine.generate_from_inputs(second, greedy()).timings.prefix_reused_tokens > 16
+
+
+def test_prompts_with_video_placeholders_never_reuse(checkpoints: dict[str, Path]) -> None:
+    """Video placeholders are not content-addressed: such a prompt neither reuses nor keeps KV (text-only
+    prompts, which do, as the control)."""
+    from vismmoe_edge.loader import load
+
+    engine = load(checkpoints["v5"], memory_budget="100%", device="cpu")
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    video = engine.model.config.video_token_id
+    text = "Describe the scene in front of the robot in every detail you can. " * 3
+    plain = [engine.encode(text + q) for q in ("Left?", "Right?")]
+    assert [engine.generate_from_inputs(i, greedy()).timings.prefix_reused_tokens > 16 for i in plain] == [False, True]
+    engine.prefix_cache.clear()
+    for inputs in plain:
+        inputs.input_ids = torch.cat([torch.full((1, 1), video), inputs.input_ids], dim=1)
+    assert [engine.generate_from_inputs(i, greedy()).timings.prefix_reused_tokens for i in plain] == [0, 0]
+    assert engine.prefix_cache.stats().entries == 0
