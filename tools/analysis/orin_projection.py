@@ -16,9 +16,19 @@ Per decode token (batch 1):
 - time = NVMe time + DRAM time (not overlapped: SSD DMA and compute share the memory controller and flash-moe
   found them not profitably overlapped on unified memory [R: docs/platform-facts.md §5.3]); the overlapped bound max()
   is given too.
+
+With `--measured board_proxy.json` (tools/bench/board_proxy.py: the board's plan run on a CPU under a cgroup of
+the board's memory, int4 experts and int4 dense weights, sampled routing), the miss bytes are not modelled but
+measured: the disk bytes each decode step read under that plan's cache; the dense bytes are the plan's language
+weights (int4/int8 as converted); the token's expert bytes 8 x 48 x the checkpoint's expert record. Then the same
+time rule with each board's DRAM peak and NVMe link (`MEASURED_BOARDS`, sources there).
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
 
 GB, GIB = 1e9, 1 << 30
 
@@ -73,7 +83,58 @@ def project(board: dict, precision: str, nvme: float, hit: float | None) -> dict
             "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram), "refused": False}  # fmt: skip
 
 
-def main() -> None:
+# profile of the measured run -> (board, DRAM peak B/s, NVMe read B/s of its M.2 link class, NVMe source).
+# DRAM: docs/platform-facts.md §3.2 (NVIDIA module data sheets; Orin Nano Super announcement). PCIe: the Jetson
+# Orin Nano series data sheet gives the module PCIe Gen3 (1 x4 + 3 x1), the Orin NX series data sheet PCIe Gen4
+# (1 x4 + 3 x1) (NVIDIA Jetson Download Center); ~3.5 GB/s and ~6 GB/s are the read classes of Gen3 x4 and Gen4 x4
+# SSDs (platform-facts.md §5.2), not measured on a board. 2 GB/s stands for a DRAM-less budget SSD [I].
+MEASURED_BOARDS = {
+    "orin-nano-8gb-super--maxn-super": [("Orin Nano 8 GB Super (MAXN SUPER)", 102.0e9), ("Orin Nano 8 GB (no Super)", 68.0e9)],
+    "orin-nx-16gb--maxn": [("Orin NX 16 GB (MAXN)", 102.4e9)],
+}
+NVME_BY_PROFILE = {"orin-nano-8gb-super--maxn-super": 3.5e9, "orin-nx-16gb--maxn": 6.0e9}
+
+
+def project_measured(row: dict, dram: float, nvme: float, efficiency: float = INPUTS["efficiency"][0]) -> dict:
+    """Decode tok/s on a board from one board_proxy.py row: its measured disk bytes per decode step (the misses),
+    the plan's dense language bytes and the token's expert bytes (top-8 x layers x one record), with the module
+    header's time rule: NVMe time + DRAM time at `efficiency` of the peak (serial), and max() of the two."""
+    miss = float(row["decode_read_bytes_per_token"])
+    touched = INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
+    dense = float(row["plan"]["language_weights_bytes"])
+    t_nvme = miss / nvme
+    dram_bytes = dense + 3 * touched + 2 * miss
+    t_dram = dram_bytes / (dram * efficiency)
+    return {"miss": miss, "touched": touched, "dense": dense, "dram_bytes": dram_bytes, "t_nvme": t_nvme,
+            "t_dram": t_dram, "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram)}  # fmt: skip
+
+
+def measured_table(rows: list[dict]) -> list[str]:
+    lines = ["| board (plan) | measured GB read / decode token | dense GB / token | DRAM GB / token | "
+             "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped |",
+             "|---|---:|---:|---:|---|---|"]  # fmt: skip
+    for row in rows:
+        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
+            continue
+        link = NVME_BY_PROFILE[row["profile"]]
+        for name, dram in MEASURED_BOARDS[row["profile"]]:
+            grid = [project_measured(row, dram, nvme) for nvme in INPUTS["nvme"][0]]
+            own = project_measured(row, dram, link)
+            speeds = " / ".join(f"{g['serial']:.2f}" for g in grid)
+            lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | {own['dram_bytes'] / GB:.2f} | "
+                         f"{speeds} | {link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measured", type=Path, help="tools/bench/board_proxy.py's JSON: project from its bytes per token")
+    args = ap.parse_args(argv)
+    if args.measured is not None:
+        rows = json.loads(args.measured.read_text())["rows"]
+        print("\n".join(measured_table(rows)))
+        print()
+        return
     boards, _ = INPUTS["boards"]
     print("| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
           "(serial) | at 3.5 GB/s, overlapped bound |")
