@@ -33,19 +33,32 @@ from pathlib import Path
 GB, GIB = 1e9, 1 << 30
 
 INPUTS = {
-    "expert_bytes": ({"bf16": 9.44e6, "int4": 2.51e6}, "one expert (bf16: platform-facts.md §5.1; int4 g128 "
-                     "with bf16 scale and zero per group: quantization.md §4)"),
+    "expert_bytes": (
+        {"bf16": 9.44e6, "int4": 2.51e6},
+        "one expert (bf16: platform-facts.md §5.1; int4 g128 with bf16 scale and zero per group: quantization.md §4)",
+    ),
     "experts": (6144, "48 MoE layers x 128 experts (docs/platform-facts.md §5.1)"),
     "top_k_layers": (8 * 48, "experts a token touches: top-8 x 48 layers (docs/platform-facts.md §5.1)"),
-    "dense_read_bytes": (2.46e9, "non-expert weights read per token, bf16 (platform-facts.md §5.1); "
-                         "they stay bf16 with int4 experts (quantization.md §5)"),
-    "language_weights_bytes": (3.09e9, "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
-                               "H200 run: 'keeps the 3.09 GB of non-expert weights resident')"),
-    "vision_weights_bytes": (1.08e9, "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
-                             "defaults (depth 27, hidden 1152, MLP 4304) with out_hidden 2048; not checked against the "
-                             "hub's config.json"),
-    "kv_bytes": (4608 * 48 * 2 * 4 * 128 * 2, "KV cache for 4,608 positions (memory_plan.DEFAULT_CONTEXT_TOKENS) x 48 "
-                 "layers x K,V x 4 KV heads x 128 x bf16"),
+    "dense_read_bytes": (
+        2.46e9,
+        "non-expert weights read per token, bf16 (platform-facts.md §5.1); "
+        "they stay bf16 with int4 experts (quantization.md §5)",
+    ),
+    "language_weights_bytes": (
+        3.09e9,
+        "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
+        "H200 run: 'keeps the 3.09 GB of non-expert weights resident')",
+    ),
+    "vision_weights_bytes": (
+        1.08e9,
+        "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
+        "defaults (depth 27, hidden 1152, MLP 4304) with out_hidden 2048; not checked against the "
+        "hub's config.json",
+    ),
+    "kv_bytes": (
+        4608 * 48 * 2 * 4 * 128 * 2,
+        "KV cache for 4,608 positions (memory_plan.DEFAULT_CONTEXT_TOKENS) x 48 layers x K,V x 4 KV heads x 128 x bf16",
+    ),
     "activation_bytes": (4096 * 67584 * 2, "memory_plan.activation_bytes for a 4,096-token prefill [I]"),
     "boards": (
         {
@@ -57,8 +70,11 @@ INPUTS = {
         "(/proc/meminfo); C_safe: profiles orin-nx-16gb--maxn (1.5 GiB), orin-nano-8gb[-super]--* (1.0 GiB); DRAM "
         "peak: docs/platform-facts.md §3.2 (102.4 GB/s NX; 68 -> 102 GB/s Nano Super)",
     ),
-    "nvme": ((2.0e9, 3.5e9, 6.0e9), "NVMe read bandwidth classes of platform-facts.md §5.2 "
-             "(Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); no board's NVMe was measured"),
+    "nvme": (
+        (2.0e9, 3.5e9, 6.0e9),
+        "NVMe read bandwidth classes of platform-facts.md §5.2 "
+        "(Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); no board's NVMe was measured",
+    ),
     "efficiency": (0.5, "share of the DRAM peak the kernels reach (MLC-class on AGX Orin, platform-facts.md §5.2)"),
 }
 
@@ -89,7 +105,10 @@ def project(board: dict, precision: str, nvme: float, hit: float | None) -> dict
 # (1 x4 + 3 x1) (NVIDIA Jetson Download Center); ~3.5 GB/s and ~6 GB/s are the read classes of Gen3 x4 and Gen4 x4
 # SSDs (platform-facts.md §5.2), not measured on a board. 2 GB/s stands for a DRAM-less budget SSD [I].
 MEASURED_BOARDS = {
-    "orin-nano-8gb-super--maxn-super": [("Orin Nano 8 GB Super (MAXN SUPER)", 102.0e9), ("Orin Nano 8 GB (no Super)", 68.0e9)],
+    "orin-nano-8gb-super--maxn-super": [
+        ("Orin Nano 8 GB Super (MAXN SUPER)", 102.0e9),
+        ("Orin Nano 8 GB (no Super)", 68.0e9),
+    ],
     "orin-nx-16gb--maxn": [("Orin NX 16 GB (MAXN)", 102.4e9)],
 }
 NVME_BY_PROFILE = {"orin-nano-8gb-super--maxn-super": 3.5e9, "orin-nx-16gb--maxn": 6.0e9}
@@ -121,8 +140,9 @@ def measured_table(rows: list[dict]) -> list[str]:
             grid = [project_measured(row, dram, nvme) for nvme in INPUTS["nvme"][0]]
             own = project_measured(row, dram, link)
             speeds = " / ".join(f"{g['serial']:.2f}" for g in grid)
-            lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | {own['dram_bytes'] / GB:.2f} | "
-                         f"{speeds} | {link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} |")  # fmt: skip
+            lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | "
+                         f"{own['dram_bytes'] / GB:.2f} | {speeds} | "
+                         f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} |")  # fmt: skip
     return lines
 
 
@@ -136,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         print()
         return
     boards, _ = INPUTS["boards"]
-    print("| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
-          "(serial) | at 3.5 GB/s, overlapped bound |")
+    print(
+        "| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
+        "(serial) | at 3.5 GB/s, overlapped bound |"
+    )
     print("|---|---|---:|---:|---:|---:|---|---:|")
     for name, board in boards.items():
         for precision in ("bf16", "int4"):
@@ -146,13 +168,17 @@ def main(argv: list[str] | None = None) -> None:
                 r = rows[1]
                 if r["refused"]:
                     if hit is None:
-                        print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | refused: less than one layer's "
-                              "top-8 left for experts | | | | |")
+                        print(
+                            f"| {name} | {precision} | {r['m_e'] / GB:.2f} | refused: less than one layer's "
+                            "top-8 left for experts | | | | |"
+                        )
                     continue
                 label = "= f (uniform routing)" if hit is None else "85% (peers' range)"
                 speeds = " / ".join(f"{x['serial']:.2f}" for x in rows)
-                print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | {r['f']:.0%} | {label}: {r['hit']:.0%} | "
-                      f"{r['miss'] / GB:.2f} | {speeds} | {r['overlapped']:.2f} |")
+                print(
+                    f"| {name} | {precision} | {r['m_e'] / GB:.2f} | {r['f']:.0%} | {label}: {r['hit']:.0%} | "
+                    f"{r['miss'] / GB:.2f} | {speeds} | {r['overlapped']:.2f} |"
+                )
     print()
     for key, (_, source) in INPUTS.items():
         print(f"- `{key}`: {source}")

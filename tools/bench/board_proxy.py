@@ -46,8 +46,9 @@ def proc_read_bytes() -> int:
 
 def proxy_image(width: int, height: int):
     """The sample image resized to width x height (multiples of 32: width/32 x height/32 merged visual tokens)."""
-    from vismmoe_edge.evaluation.sample import ensure_sample_image
     from PIL import Image
+
+    from vismmoe_edge.evaluation.sample import ensure_sample_image
 
     return Image.open(ensure_sample_image()).convert("RGB").resize((width, height))
 
@@ -121,9 +122,9 @@ def run_board(args: argparse.Namespace, profile: str) -> dict:
 
     plan = board_plan(args.model, profile)
     cap = int(plan["m_avail_bytes"])
-    cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--budget", str(plan["memory_budget_bytes"]),
-           "--pinned", str(plan["pinned_layers"]), "--tokens", str(args.tokens), "--image-size", args.image_size,
-           "--threads", str(args.threads)]  # fmt: skip
+    cmd = [sys.executable, __file__, "--worker", "--model", str(args.model),
+           "--budget", str(plan["memory_budget_bytes"]), "--pinned", str(plan["pinned_layers"]),
+           "--tokens", str(args.tokens), "--image-size", args.image_size, "--threads", str(args.threads)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(args.threads)}
     shards = sorted(args.model.glob("*.safetensors"))
     started = time.perf_counter()
@@ -149,8 +150,12 @@ def run_board(args: argparse.Namespace, profile: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="a quantized proxy (tools/checkpoints/streaming_quantized.py)")
-    p.add_argument("--profile", action="append", help=f"board profile (repeatable; default {', '.join(DEFAULT_PROFILES)})")
+    p.add_argument(
+        "--model", type=Path, required=True, help="a quantized proxy (tools/checkpoints/streaming_quantized.py)"
+    )
+    p.add_argument(
+        "--profile", action="append", help=f"board profile (repeatable; default {', '.join(DEFAULT_PROFILES)})"
+    )
     p.add_argument("--tokens", type=int, default=16, help="sampled decode steps after the prefill's token")
     p.add_argument("--image-size", default="1088x1024", help="WxH, multiples of 32 (1088x1024: 1,088 visual tokens)")
     p.add_argument("--threads", type=int, default=2)

@@ -166,8 +166,12 @@ def build(
     layout: str = "auto",
     quantize_experts: bool = False,
     progress: bool = True,
+    vision: str = "real",
+    vocab: int = VOCAB,
+    **text: int,
 ) -> Path:
-    """Write the quantized proxy checkpoint to `out` (must not exist) and return it."""
+    """Write the quantized proxy checkpoint to `out` (must not exist) and return it. `vision="tiny"`, `vocab` and
+    `text` (synthetic_config's hidden, heads, kv_heads, head_dim, top_k, moe_intermediate) shrink it for tests."""
     from transformers import GenerationConfig
 
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_processor
@@ -177,15 +181,15 @@ def build(
         raise FileExistsError(f"{out} exists; remove it or pick another directory")
     processor = build_offline_processor(min_pixels=PROXY_MIN_PIXELS, max_pixels=PROXY_MAX_PIXELS)
     tok = processor.tokenizer
-    config = synthetic_config(tokenizer=tok, layers=layers, experts=experts, vocab=VOCAB,
-                              dense_intermediate=6144, vision="real")  # fmt: skip
+    text = {"dense_intermediate": 6144} | text
+    config = synthetic_config(tokenizer=tok, layers=layers, experts=experts, vocab=vocab, vision=vision, **text)
     config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
     config.dtype = torch.bfloat16
     config.get_text_config().dtype = torch.bfloat16
     special = tok.convert_tokens_to_ids(
         ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
     )
-    zero_rows = sorted(set(special) | set(range(len(tok), VOCAB)))
+    zero_rows = sorted(set(special) | set(range(len(tok), vocab)))
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     skeleton = Path(tempfile.mkdtemp(prefix=f".{out.name}.skeleton-", dir=out.parent)) / "src"
@@ -207,9 +211,10 @@ def build(
         "synthetic": True,
         "random_weights": True,
         "builder": "tools/checkpoints/streaming_quantized.py",
-        "params": {"layers": layers, "num_experts": experts, "vocab": VOCAB, "vision": "real", "bits": 4,
+        "params": {"layers": layers, "num_experts": experts, "vocab": vocab, "vision": vision, "bits": 4, **text,
                    "dense_bits": dense_bits, "layout": layout,
-                   "experts": "quantized from N(0, expert_std)" if quantize_experts else "drawn as int4 codes", "seed": seed, "router_std": router_std,
+                   "experts": "quantized from N(0, expert_std)" if quantize_experts else "drawn as int4 codes",
+                   "seed": seed, "router_std": router_std,
                    "expert_std": expert_std, "embed_std": embed_std, "linear_std": _LINEAR_STD},
         "bytes_on_disk": sum(p.stat().st_size for p in shards),
         "build_seconds": round(time.perf_counter() - started, 1),
@@ -227,15 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", default="auto", help="int4 layout (auto: this CPU's kernel tiles; rowmajor for CUDA)")
-    p.add_argument("--quantize-experts", action="store_true",
-                   help="draw the experts in bf16 and quantize them (5x slower) instead of drawing int4 codes")
+    p.add_argument(
+        "--quantize-experts",
+        action="store_true",
+        help="draw the experts in bf16 and quantize them (5x slower) instead of drawing int4 codes",
+    )
     a = p.parse_args(argv)
     if a.out.exists():
         p.error(f"{a.out} exists; remove it or pick another directory")
     free = shutil.disk_usage(a.out.expanduser().absolute().parent if a.out.parent.exists() else Path.cwd()).free
     print(f"free space: {free / 1e9:.1f} GB", file=sys.stderr)
-    out = build(a.out, dense_bits=a.dense_bits, layers=a.layers, experts=a.experts, seed=a.seed, layout=a.layout,
-                quantize_experts=a.quantize_experts)
+    out = build(
+        a.out,
+        dense_bits=a.dense_bits,
+        layers=a.layers,
+        experts=a.experts,
+        seed=a.seed,
+        layout=a.layout,
+        quantize_experts=a.quantize_experts,
+    )
     print(json.dumps(json.loads((out / MARKER_NAME).read_text()), indent=2))
     return 0
 
