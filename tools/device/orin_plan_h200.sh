@@ -7,12 +7,11 @@
 #   WORK=.orin-plan LAYERS=48 bash tools/device/orin_plan_h200.sh               # call 2: the same plan, unchanged
 # The proxy (tools/checkpoints/streaming_quantized.py) is written straight as int4 experts + int4 dense weights
 # in the CUDA layout, with the real vision tower: ~17 GB for 48 layers, ~3.5 GB for 8, no bf16 copy. A WORK inside
-# the checkout that git ignores (.orin-plan is in .git/info/exclude below) is kept between calls on a warm machine.
+# the checkout that git ignores (/.orin-plan/, .gitignore) is kept between calls on a warm machine.
 set -u
 OUT=${OUT:-/tmp/orin-plan-out}
 mkdir -p "$OUT"
 WORK=${WORK:-$(mktemp -d /tmp/orin-plan-work.XXXX)}
-case "$WORK" in .orin-plan*) grep -qx '/.orin-plan/' .git/info/exclude 2>/dev/null || echo /.orin-plan/ >>.git/info/exclude ;; esac
 if [ "${STAGE:-run}" = build ]; then
     python3 tools/device/orin_plan_checks.py --build-only --work "$WORK" --layers "${LAYERS:-8}" 2>&1 | tee "$OUT/orin_plan_build.log"
     exit "${PIPESTATUS[0]}"
