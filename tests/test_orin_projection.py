@@ -17,7 +17,7 @@ ROW = {
     "returncode": 0,
     "decode_read_bytes_per_token": 0.5e9,
     "expert_bytes": 2.5e6,
-    "plan": {"language_weights_bytes": 0.6e9},
+    "plan": {"language_weights_bytes": 0.6e9, "pinned_layers": 3, "cache_bytes": 45 * 128 * 2.5e6 / 4},
 }
 
 
@@ -35,6 +35,13 @@ def test_no_misses_is_dram_bound() -> None:
     r = op.project_measured(ROW | {"decode_read_bytes_per_token": 0}, dram=102.4e9, nvme=6e9, efficiency=0.5)
     assert r["t_nvme"] == 0
     assert r["serial"] == pytest.approx(r["overlapped"]) == pytest.approx(51.2 / 3.48)
+
+
+def test_uniform_routing_misses_by_hand() -> None:
+    hit = 3 / 48 + (45 / 48) * 0.25  # pinned layers always hit; a quarter of the streamed experts cached
+    assert op.uniform_miss_bytes(ROW) == pytest.approx((1 - hit) * 384 * 2.5e6)
+    whole = ROW | {"plan": ROW["plan"] | {"cache_bytes": 1e12}}
+    assert op.uniform_miss_bytes(whole) == pytest.approx(0)
 
 
 def test_table_rows_per_board_and_failed_runs_left_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

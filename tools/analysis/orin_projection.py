@@ -128,10 +128,20 @@ def project_measured(row: dict, dram: float, nvme: float, efficiency: float = IN
             "t_dram": t_dram, "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram)}  # fmt: skip
 
 
+def uniform_miss_bytes(row: dict, layers: int = 48, experts: int = 128) -> float:
+    """The miss bytes per token the run's plan would give if routing were uniform: a pinned layer always hits, a
+    streamed one hits with the cache's share of the streamed layers' experts."""
+    pinned = int(row["plan"]["pinned_layers"])
+    streamed = (layers - pinned) * experts * float(row["expert_bytes"])
+    hit = pinned / layers + (1 - pinned / layers) * min(1.0, float(row["plan"]["cache_bytes"]) / streamed)
+    return (1 - hit) * INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
+
+
 def measured_table(rows: list[dict]) -> list[str]:
     lines = ["| board (plan) | measured GB read / decode token | dense GB / token | DRAM GB / token | "
-             "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped |",
-             "|---|---:|---:|---:|---|---|"]  # fmt: skip
+             "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped | "
+             "uniform routing instead: GB missed, tok/s serial at the link |",
+             "|---|---:|---:|---:|---|---|---|"]  # fmt: skip
     for row in rows:
         if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
             continue
@@ -140,9 +150,11 @@ def measured_table(rows: list[dict]) -> list[str]:
             grid = [project_measured(row, dram, nvme) for nvme in INPUTS["nvme"][0]]
             own = project_measured(row, dram, link)
             speeds = " / ".join(f"{g['serial']:.2f}" for g in grid)
+            uniform = project_measured(row | {"decode_read_bytes_per_token": uniform_miss_bytes(row)}, dram, link)
             lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | "
                          f"{own['dram_bytes'] / GB:.2f} | {speeds} | "
-                         f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} |")  # fmt: skip
+                         f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} | "
+                         f"{uniform['miss'] / GB:.3f}, {uniform['serial']:.2f} |")  # fmt: skip
     return lines
 
 

@@ -88,7 +88,9 @@ def worker(args: argparse.Namespace) -> dict:
     fetched: list[int] = []
     read_before = proc_read_bytes()
     start = time.perf_counter()
-    for _ in engine.stream(inputs, sampling):
+    tokens: list[int] = []
+    for token in engine.stream(inputs, sampling):
+        tokens.append(int(token))
         times.append(time.perf_counter())
         reads.append(proc_read_bytes())
         fetched.append(pipeline.stats.bytes_read)
@@ -113,6 +115,8 @@ def worker(args: argparse.Namespace) -> dict:
         "decode_read_bytes_per_token": (reads[-1] - reads[0]) / len(steps),
         "decode_expert_bytes_fetched_per_token": (fetched[-1] - fetched[0]) / len(steps),
         "hit_rate": stats["hit_rate"],
+        "distinct_tokens": len(set(tokens)),
+        "token_ids": tokens,
         "expert_bytes": engine.catalogue.expert_bytes,
     }
 
