@@ -12,6 +12,7 @@ from vismmoe_edge.models.registry import model_family
 from vismmoe_edge.quant import convert, dequantize
 from vismmoe_edge.quant.catalogue import QuantizedCatalogue, quantized_expert_ranges
 from vismmoe_edge.quant.config import read_quant_config
+from vismmoe_edge.quant.source import SourceCheckpoint
 
 
 def float_catalogue(directory: Path, table: dict[str, TensorInfo]) -> ExpertCatalogue:
@@ -44,11 +45,12 @@ def quantize_checkpoint(
     layout: str = "auto",
     max_shard_size: int | str = convert.DEFAULT_MAX_SHARD,
     dense_bits: int | None = None,
+    source: SourceCheckpoint | None = None,
 ) -> Path:
     """quant.convert.quantize_checkpoint for the checkpoint's own family: see there. Returns `out`."""
     return convert.quantize_checkpoint(src, out, bits, group_size, progress, catalogue_of=float_catalogue,
                                        layout=layout, max_shard_size=max_shard_size, dense_bits=dense_bits,
-                                       linears_of=linear_weights)  # fmt: skip
+                                       linears_of=linear_weights, source=source)  # fmt: skip
 
 
 def read_quantized_catalogue(directory: Path) -> QuantizedCatalogue:

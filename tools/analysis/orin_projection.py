@@ -16,26 +16,49 @@ Per decode token (batch 1):
 - time = NVMe time + DRAM time (not overlapped: SSD DMA and compute share the memory controller and flash-moe
   found them not profitably overlapped on unified memory [R: docs/platform-facts.md §5.3]); the overlapped bound max()
   is given too.
+
+With `--measured board_proxy.json` (tools/bench/board_proxy.py: the board's plan run on a CPU under a cgroup of
+the board's memory, int4 experts and int4 dense weights, sampled routing), the miss bytes are not modelled but
+measured: the disk bytes each decode step read under that plan's cache; the dense bytes are the plan's language
+weights (int4/int8 as converted); the token's expert bytes 8 x 48 x the checkpoint's expert record. Then the same
+time rule with each board's DRAM peak and NVMe link (`MEASURED_BOARDS`, sources there).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 GB, GIB = 1e9, 1 << 30
 
 INPUTS = {
-    "expert_bytes": ({"bf16": 9.44e6, "int4": 2.51e6}, "one expert (bf16: platform-facts.md §5.1; int4 g128 "
-                     "with bf16 scale and zero per group: quantization.md §4)"),
+    "expert_bytes": (
+        {"bf16": 9.44e6, "int4": 2.51e6},
+        "one expert (bf16: platform-facts.md §5.1; int4 g128 with bf16 scale and zero per group: quantization.md §4)",
+    ),
     "experts": (6144, "48 MoE layers x 128 experts (docs/platform-facts.md §5.1)"),
     "top_k_layers": (8 * 48, "experts a token touches: top-8 x 48 layers (docs/platform-facts.md §5.1)"),
-    "dense_read_bytes": (2.46e9, "non-expert weights read per token, bf16 (platform-facts.md §5.1); "
-                         "they stay bf16 with int4 experts (quantization.md §5)"),
-    "language_weights_bytes": (3.09e9, "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
-                               "H200 run: 'keeps the 3.09 GB of non-expert weights resident')"),
-    "vision_weights_bytes": (1.08e9, "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
-                             "defaults (depth 27, hidden 1152, MLP 4304) with out_hidden 2048; not checked against the "
-                             "hub's config.json"),
-    "kv_bytes": (4608 * 48 * 2 * 4 * 128 * 2, "KV cache for 4,608 positions (memory_plan.DEFAULT_CONTEXT_TOKENS) x 48 "
-                 "layers x K,V x 4 KV heads x 128 x bf16"),
+    "dense_read_bytes": (
+        2.46e9,
+        "non-expert weights read per token, bf16 (platform-facts.md §5.1); "
+        "they stay bf16 with int4 experts (quantization.md §5)",
+    ),
+    "language_weights_bytes": (
+        3.09e9,
+        "resident non-expert language weights incl. embeddings, bf16 (benchmarks.md, "
+        "H200 run: 'keeps the 3.09 GB of non-expert weights resident')",
+    ),
+    "vision_weights_bytes": (
+        1.08e9,
+        "[I] 0.539 B parameters x 2 bytes: transformers 5.24's Qwen3VLMoeVisionConfig "
+        "defaults (depth 27, hidden 1152, MLP 4304) with out_hidden 2048; not checked against the "
+        "hub's config.json",
+    ),
+    "kv_bytes": (
+        4608 * 48 * 2 * 4 * 128 * 2,
+        "KV cache for 4,608 positions (memory_plan.DEFAULT_CONTEXT_TOKENS) x 48 layers x K,V x 4 KV heads x 128 x bf16",
+    ),
     "activation_bytes": (4096 * 67584 * 2, "memory_plan.activation_bytes for a 4,096-token prefill [I]"),
     "boards": (
         {
@@ -47,8 +70,11 @@ INPUTS = {
         "(/proc/meminfo); C_safe: profiles orin-nx-16gb--maxn (1.5 GiB), orin-nano-8gb[-super]--* (1.0 GiB); DRAM "
         "peak: docs/platform-facts.md §3.2 (102.4 GB/s NX; 68 -> 102 GB/s Nano Super)",
     ),
-    "nvme": ((2.0e9, 3.5e9, 6.0e9), "NVMe read bandwidth classes of platform-facts.md §5.2 "
-             "(Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); no board's NVMe was measured"),
+    "nvme": (
+        (2.0e9, 3.5e9, 6.0e9),
+        "NVMe read bandwidth classes of platform-facts.md §5.2 "
+        "(Gen3 x4 ~3.5, Gen4 x4 ~6 GB/s); no board's NVMe was measured",
+    ),
     "efficiency": (0.5, "share of the DRAM peak the kernels reach (MLC-class on AGX Orin, platform-facts.md §5.2)"),
 }
 
@@ -73,10 +99,79 @@ def project(board: dict, precision: str, nvme: float, hit: float | None) -> dict
             "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram), "refused": False}  # fmt: skip
 
 
-def main() -> None:
+# profile of the measured run -> (board, DRAM peak B/s, NVMe read B/s of its M.2 link class, NVMe source).
+# DRAM: docs/platform-facts.md §3.2 (NVIDIA module data sheets; Orin Nano Super announcement). PCIe: the Jetson
+# Orin Nano series data sheet gives the module PCIe Gen3 (1 x4 + 3 x1), the Orin NX series data sheet PCIe Gen4
+# (1 x4 + 3 x1) (NVIDIA Jetson Download Center); ~3.5 GB/s and ~6 GB/s are the read classes of Gen3 x4 and Gen4 x4
+# SSDs (platform-facts.md §5.2), not measured on a board. 2 GB/s stands for a DRAM-less budget SSD [I].
+MEASURED_BOARDS = {
+    "orin-nano-8gb-super--maxn-super": [
+        ("Orin Nano 8 GB Super (MAXN SUPER)", 102.0e9),
+        ("Orin Nano 8 GB (no Super)", 68.0e9),
+    ],
+    "orin-nx-16gb--maxn": [("Orin NX 16 GB (MAXN)", 102.4e9)],
+}
+NVME_BY_PROFILE = {"orin-nano-8gb-super--maxn-super": 3.5e9, "orin-nx-16gb--maxn": 6.0e9}
+
+
+def project_measured(row: dict, dram: float, nvme: float, efficiency: float = INPUTS["efficiency"][0]) -> dict:
+    """Decode tok/s on a board from one board_proxy.py row: its measured disk bytes per decode step (the misses),
+    the plan's dense language bytes and the token's expert bytes (top-8 x layers x one record), with the module
+    header's time rule: NVMe time + DRAM time at `efficiency` of the peak (serial), and max() of the two."""
+    miss = float(row["decode_read_bytes_per_token"])
+    touched = INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
+    dense = float(row["plan"]["language_weights_bytes"])
+    t_nvme = miss / nvme
+    dram_bytes = dense + 3 * touched + 2 * miss
+    t_dram = dram_bytes / (dram * efficiency)
+    return {"miss": miss, "touched": touched, "dense": dense, "dram_bytes": dram_bytes, "t_nvme": t_nvme,
+            "t_dram": t_dram, "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram)}  # fmt: skip
+
+
+def uniform_miss_bytes(row: dict, layers: int = 48, experts: int = 128) -> float:
+    """The miss bytes per token the run's plan would give if routing were uniform: a pinned layer always hits, a
+    streamed one hits with the cache's share of the streamed layers' experts."""
+    pinned = int(row["plan"]["pinned_layers"])
+    streamed = (layers - pinned) * experts * float(row["expert_bytes"])
+    hit = pinned / layers + (1 - pinned / layers) * min(1.0, float(row["plan"]["cache_bytes"]) / streamed)
+    return (1 - hit) * INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
+
+
+def measured_table(rows: list[dict]) -> list[str]:
+    lines = ["| board (plan) | measured GB read / decode token | dense GB / token | DRAM GB / token | "
+             "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped | "
+             "uniform routing instead: GB missed, tok/s serial at the link |",
+             "|---|---:|---:|---:|---|---|---|"]  # fmt: skip
+    for row in rows:
+        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
+            continue
+        link = NVME_BY_PROFILE[row["profile"]]
+        for name, dram in MEASURED_BOARDS[row["profile"]]:
+            grid = [project_measured(row, dram, nvme) for nvme in INPUTS["nvme"][0]]
+            own = project_measured(row, dram, link)
+            speeds = " / ".join(f"{g['serial']:.2f}" for g in grid)
+            uniform = project_measured(row | {"decode_read_bytes_per_token": uniform_miss_bytes(row)}, dram, link)
+            lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | "
+                         f"{own['dram_bytes'] / GB:.2f} | {speeds} | "
+                         f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} | "
+                         f"{uniform['miss'] / GB:.3f}, {uniform['serial']:.2f} |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measured", type=Path, help="tools/bench/board_proxy.py's JSON: project from its bytes per token")
+    args = ap.parse_args(argv)
+    if args.measured is not None:
+        rows = json.loads(args.measured.read_text())["rows"]
+        print("\n".join(measured_table(rows)))
+        print()
+        return
     boards, _ = INPUTS["boards"]
-    print("| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
-          "(serial) | at 3.5 GB/s, overlapped bound |")
+    print(
+        "| board | experts | M_e (GB) | cache share f | hit rate | miss GB/token | NVMe 2 / 3.5 / 6 GB/s: tok/s "
+        "(serial) | at 3.5 GB/s, overlapped bound |"
+    )
     print("|---|---|---:|---:|---:|---:|---|---:|")
     for name, board in boards.items():
         for precision in ("bf16", "int4"):
@@ -85,13 +180,17 @@ def main() -> None:
                 r = rows[1]
                 if r["refused"]:
                     if hit is None:
-                        print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | refused: less than one layer's "
-                              "top-8 left for experts | | | | |")
+                        print(
+                            f"| {name} | {precision} | {r['m_e'] / GB:.2f} | refused: less than one layer's "
+                            "top-8 left for experts | | | | |"
+                        )
                     continue
                 label = "= f (uniform routing)" if hit is None else "85% (peers' range)"
                 speeds = " / ".join(f"{x['serial']:.2f}" for x in rows)
-                print(f"| {name} | {precision} | {r['m_e'] / GB:.2f} | {r['f']:.0%} | {label}: {r['hit']:.0%} | "
-                      f"{r['miss'] / GB:.2f} | {speeds} | {r['overlapped']:.2f} |")
+                print(
+                    f"| {name} | {precision} | {r['m_e'] / GB:.2f} | {r['f']:.0%} | {label}: {r['hit']:.0%} | "
+                    f"{r['miss'] / GB:.2f} | {speeds} | {r['overlapped']:.2f} |"
+                )
     print()
     for key, (_, source) in INPUTS.items():
         print(f"- `{key}`: {source}")

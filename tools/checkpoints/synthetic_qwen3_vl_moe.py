@@ -57,6 +57,15 @@ _EMBED_STD = 4.0
 _LINEAR_STD = 0.02
 # Generated in chunks of this many float32 elements (~64 MiB) so the temporary never dwarfs the output.
 _CHUNK_ELEMS = 16 << 20
+VISION_TOWERS = ("tiny", "real")
+
+
+def real_vision_config(out_hidden: int) -> dict[str, object]:
+    """Qwen3-VL-30B-A3B's vision tower (the hub's config.json, as tools/checkpoints/header_only.py records it)."""
+    from checkpoints.header_only import QWEN3_VL_30B_A3B
+
+    vision = {k: v for k, v in QWEN3_VL_30B_A3B["vision_config"].items() if k != "model_type"}
+    return vision | {"out_hidden_size": out_hidden}
 
 
 def synthetic_config(
@@ -74,14 +83,16 @@ def synthetic_config(
     dense_intermediate: int | None = None,
     vision: str = "tiny",
 ):
-    """A Qwen3-VL-MoE config with Qwen3-VL-30B-A3B's text dimensions (defaults) and demo.tiny_config's vision tower.
+    """A Qwen3-VL-MoE config with Qwen3-VL-30B-A3B's text dimensions (defaults) and demo.tiny_config's vision tower
+    (`vision="tiny"`) or Qwen3-VL-30B-A3B's own (`vision="real"`: depth 27, hidden 1152, MLP 4304, 16 heads,
+    DeepStack after blocks 8/16/24; header_only.QWEN3_VL_30B_A3B), projecting to `hidden`.
 
     Built through `vismmoe_edge.demo.tiny_config`, so special token ids come from `tokenizer` the same way.
     """
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import tiny_config
 
-    if vision != "tiny":
-        raise ValueError(f"vision={vision!r}: only the tiny vision tower is supported")
+    if vision not in VISION_TOWERS:
+        raise ValueError(f"vision={vision!r}: pick one of {', '.join(VISION_TOWERS)}")
     if head_dim % 2 or (head_dim // 2) < 3:
         raise ValueError(f"head_dim={head_dim} must be even and >= 6")
     half = head_dim // 2
@@ -101,6 +112,7 @@ def synthetic_config(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=dense_intermediate if dense_intermediate is not None else 3 * hidden,
+        vision_overrides=None if vision == "tiny" else real_vision_config(hidden),
         max_position_embeddings=262144,
         rope_parameters={
             "rope_type": "default",
@@ -554,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    repo = Path(__file__).resolve().parents[2]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
+    for root in Path(__file__).resolve().parents[2:0:-1]:  # the repository, then tools/ (checkpoints.header_only)
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
     raise SystemExit(main())

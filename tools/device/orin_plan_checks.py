@@ -11,11 +11,14 @@ Checks (each on its own; a failure is recorded and the others still run; exit st
   (bf16, CUDA): greedy tokens equal, and graphs on vs off logits within 1e-2.
 - the Nano plan on the H200: the plan for the header-only 48-layer Qwen3-VL-30B-A3B on
   orin-nano-8gb-super--maxn-super with `--bits 4 --dense-bits 4` gives a pinned depth and the cache's share of the
-  experts. A synthetic checkpoint with the real text dimensions (tools/checkpoints/synthetic_qwen3_vl_moe.py,
-  `--layers` decoder layers, its tiny vision tower) is quantized the same way. It is run with the same pinned
-  depth and share through `--tier unified-slots --device cuda`: one image prompt plus 16 sampled tokens. The
+  experts. A proxy with the real text dimensions, `--layers` decoder layers and the real vision tower is written
+  straight as int4 experts + int4 dense weights in the CUDA (row-major) layout
+  (tools/checkpoints/streaming_quantized.py, no bf16 copy). With `--layers 48` (the whole model) the proxy's own
+  plan is used as it is; with fewer, the 48-layer plan's pinned depth and cache share. It runs through
+  `--tier unified-slots --device cuda`: one 1088x1024 image (1,088 visual tokens) plus 16 sampled tokens. The
   record holds tok/s, expert bytes read per decoded token, hit rate and peak RSS. This is an H200, not an
   Orin: the rates say nothing about a board, but the plan's tier, budget and byte counts run end to end.
+  `--build-only` builds the proxy under `--work` and stops (the 48-layer build can take a call of its own).
 Without CUDA every check is reported as skipped.
 """
 
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -112,30 +114,46 @@ def nano_plan(work: Path) -> dict[str, Any]:
     return plan.as_dict()
 
 
+def build_proxy(work: Path, layers: int) -> tuple[Path, float]:
+    """The int4-expert, int4-dense proxy in the CUDA layout (row-major), written straight from generated weights
+    (tools/checkpoints/streaming_quantized.py: Qwen3-VL-30B-A3B's text geometry with `layers` decoder layers, the
+    real vision tower, vocabulary 151,936). Returns (path, seconds spent building; 0 when it was there)."""
+    from checkpoints.streaming_quantized import build
+
+    q = work / f"proxy-{layers}-int4-dense4-rowmajor"
+    if (q / "config.json").exists():
+        return q, 0.0
+    t0 = time.perf_counter()
+    build(q, dense_bits=4, layers=layers, layout="rowmajor", progress=False)
+    return q, time.perf_counter() - t0
+
+
 def check_nano_plan_on_h200(work: Path, layers: int, image: Path) -> dict[str, Any]:
     import vismmoe_edge
-    from vismmoe_edge.conversion import quantize_checkpoint
     from vismmoe_edge.sampling import SamplingConfig
 
-    plan = nano_plan(work)
-    src, q = work / f"synthetic-{layers}", work / f"synthetic-{layers}-int4-dense4"
-    t0 = time.perf_counter()
-    if not (src / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tools/checkpoints/synthetic_qwen3_vl_moe.py"), str(src),
-                        "--layers", str(layers)], check=True)  # fmt: skip
-    built = time.perf_counter() - t0
-    if not (q / "config.json").exists():
-        quantize_checkpoint(src, q, 4, progress=False, layout="rowmajor", dense_bits=4)
-    quantized = time.perf_counter() - t0 - built
-    pinned = min(plan["pinned_layers"], layers - 1)
-    engine = vismmoe_edge.load(q, device="cuda", tier="unified-slots", memory_budget="100%", pinned_layers=0)
-    total = engine.catalogue.expert_bytes * len(engine.catalogue.experts)
-    engine.experts.pipeline.close()
-    per_layer = total // layers
-    budget = pinned * per_layer + int(plan["cache_fraction"] * total)
+    q, built = build_proxy(work, layers)
+    if layers == 48:  # the full geometry: the plan of the proxy itself, its pinned depth and budget as they are
+        from vismmoe_edge.hardware.gpu_access import ORIN_DOCUMENTED
+        from vismmoe_edge.hardware.profiles import get_profile
+        from vismmoe_edge.planning.plan import make_plan
+
+        plan = make_plan(q, get_profile(NANO), root=ROOT / "tests" / "fixtures" / "boards" / "x86-desktop",
+                         cgroup=None, gpu=ORIN_DOCUMENTED).as_dict()  # fmt: skip
+        pinned, budget = plan["pinned_layers"], plan["memory_budget_bytes"]
+    else:  # fewer layers: the 48-layer plan's pinned depth (capped) and cache share, scaled to them
+        plan = nano_plan(work)
+        pinned = min(plan["pinned_layers"], layers - 1)
+        engine = vismmoe_edge.load(q, device="cuda", tier="unified-slots", memory_budget="100%", pinned_layers=0)
+        total = engine.catalogue.expert_bytes * len(engine.catalogue.experts)
+        engine.experts.pipeline.close()
+        budget = pinned * (total // layers) + int(plan["cache_fraction"] * total)
     engine = vismmoe_edge.load(q, device="cuda", tier="unified-slots", memory_budget=str(budget),
                                pinned_layers=pinned)  # fmt: skip
-    inputs = engine.encode("Describe the picture in detail.", [image])
+    from PIL import Image
+
+    picture = Image.open(image).convert("RGB").resize((1088, 1024))  # 34 x 32 = 1,088 visual tokens
+    inputs = engine.encode("Describe the picture in detail.", [picture])
     sampling = SamplingConfig(max_new_tokens=16, min_new_tokens=16, temperature=0.7, top_p=0.9, seed=0)
     engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=2, min_new_tokens=2))  # warm-up
     before = engine.experts.pipeline.stats.bytes_read
@@ -156,7 +174,6 @@ def check_nano_plan_on_h200(work: Path, layers: int, image: Path) -> dict[str, A
         },  # fmt: skip
         "proxy_layers": layers,
         "build_s": round(built, 1),
-        "quantize_s": round(quantized, 1),
         "budget_bytes": budget,
         "pinned_layers": pinned,
         "tier": engine.experts.pipeline.tier.name,
@@ -175,10 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, help="where to build checkpoints (default: a temp dir)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the synthetic proxy (48: the model)")
     ap.add_argument("--skip-proxy", action="store_true", help="only the dense-weight checks")
+    ap.add_argument("--build-only", action="store_true",
+                    help="only build the proxy checkpoint under --work (a separate call where the build is long)")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="orin-plan-checks-"))
     work.mkdir(parents=True, exist_ok=True)
     from vismmoe_edge.evaluation.sample import ensure_sample_image
+
+    if args.build_only:
+        q, seconds = build_proxy(work, args.layers)
+        print(json.dumps({"proxy": str(q), "build_s": round(seconds, 1)}))
+        return 0
 
     checks = Checks()
     start = time.perf_counter()

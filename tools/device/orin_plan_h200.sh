@@ -1,11 +1,20 @@
 #!/bin/bash
 # The Orin Nano plan forced through unified-slots on the H200, and quantized dense weights on CUDA (issue 25).
-# One call, <= 8 minutes, results under $OUT:   bash tools/device/orin_plan_h200.sh
-# The synthetic proxy has 8 decoder layers (~9.7 GB bf16, ~2.6 GB converted); pass LAYERS=48 for the whole
-# geometry where the time allows (62 GB to write first).
+# Results under $OUT. Two forms:
+#   bash tools/device/orin_plan_h200.sh                 # one call, <= 8 minutes: an 8-layer proxy, the 48-layer
+#                                                       # plan's pinned depth and cache share
+#   WORK=.orin-plan LAYERS=48 STAGE=build bash tools/device/orin_plan_h200.sh   # call 1: the 48-layer proxy
+#   WORK=.orin-plan LAYERS=48 bash tools/device/orin_plan_h200.sh               # call 2: the same plan, unchanged
+# The proxy (tools/checkpoints/streaming_quantized.py) is written straight as int4 experts + int4 dense weights
+# in the CUDA layout, with the real vision tower: ~17 GB for 48 layers, ~3.5 GB for 8, no bf16 copy. A WORK inside
+# the checkout that git ignores (/.orin-plan/, .gitignore) is kept between calls on a warm machine.
 set -u
 OUT=${OUT:-/tmp/orin-plan-out}
 mkdir -p "$OUT"
 WORK=${WORK:-$(mktemp -d /tmp/orin-plan-work.XXXX)}
+if [ "${STAGE:-run}" = build ]; then
+    python3 tools/device/orin_plan_checks.py --build-only --work "$WORK" --layers "${LAYERS:-8}" 2>&1 | tee "$OUT/orin_plan_build.log"
+    exit "${PIPESTATUS[0]}"
+fi
 python3 tools/device/orin_plan_checks.py --out "$OUT/orin_plan.json" --work "$WORK" --layers "${LAYERS:-8}" \
     2>&1 | tee "$OUT/orin_plan.log"

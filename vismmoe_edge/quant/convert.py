@@ -270,6 +270,7 @@ def quantize_checkpoint(
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     dense_bits: int | None = None,
     linears_of: LinearWeights | None = None,
+    source: SourceCheckpoint | None = None,
 ) -> Path:
     """Write an int4 (group-wise, default g128) or int8 (per-channel) copy of the checkpoint at `src` to `out`;
     `catalogue_of` is the model family's (vismmoe_edge.conversion passes it).
@@ -279,7 +280,9 @@ def quantize_checkpoint(
     "auto" picks this CPU's kernel tiles (packing.CPU_LAYOUTS); name another one to convert for a different
     board (e.g. cpu_b16_pairs for a Jetson), or "rowmajor" for a CPU-neutral file. `dense_bits` (4 or 8):
     also quantize the linears `linears_of` names (attention, lm_head, dense MLPs at `dense_bits`, the vision tower
-    at int8; dense.py), int4 in the experts' layout, groups of at most 128. Returns `out`.
+    at int8; dense.py), int4 in the experts' layout, groups of at most 128. `source`: the weights to read instead
+    of `SourceCheckpoint(src)` (a subclass that makes them, e.g. tools/checkpoints/streaming_quantized.py); it is
+    closed at the end like our own. Returns `out`.
     """
     src, out = Path(src).expanduser(), Path(out).expanduser().absolute()
     _check_out(out)
@@ -290,7 +293,7 @@ def quantize_checkpoint(
     if dense_bits is not None and linears_of is None:
         raise ValueError("dense_bits needs linears_of, the model family's linear weights")
     max_shard_bytes = parse_size(max_shard_size)
-    source = SourceCheckpoint(src)
+    source = SourceCheckpoint(src) if source is None else source
     tmp: Path | None = None
     try:
         spec, units = _plan(source, catalogue_of, bits, group_size, layout, dense_bits, linears_of)
