@@ -9,7 +9,8 @@ llama.cpp and its converter) somewhere outside the repo, e.g.:
 
 Subcommands (see docs/benchmark-setup.md):
 
-    build    cmake configure + build llama-bench / llama-completion (CPU, Release, -DGGML_NATIVE=ON)
+    build    cmake configure + build llama-bench, llama-completion and llama-quantize (CPU, Release,
+             -DGGML_NATIVE=ON)
     convert  our Qwen3-VL-MoE checkpoint -> text-only Qwen3MoeForCausalLM (tools/checkpoints/export_text_moe.py,
              same expert bytes) -> GGUF (bf16) with llama.cpp's convert_hf_to_gguf.py
     bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes,
@@ -43,9 +44,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import memcgroup  # noqa: E402
+from bench import hostprobe, memcgroup  # noqa: E402
 
-DEFAULT_TARGETS = ("llama-bench", "llama-completion")
+DEFAULT_TARGETS = ("llama-bench", "llama-completion", "llama-quantize")  # quantize: Q4_K_M, Q8_0
 
 # Runs convert_hf_to_gguf.py in-process with one patch: an unknown BPE pre-tokenizer hash -> "gpt-2".
 _CONVERT_WRAPPER = r"""
@@ -166,6 +167,15 @@ class BenchRun:
     wall_s: float
     resident_after_evict: int
     error: str | None = None
+    # why a run may be slow (see hostprobe.py): the GGUF's bytes in the page cache when the timed section starts
+    # and when the process exits, the child's own CPU seconds, the seconds to the timed section (load + warmup),
+    # each repetition's tok/s, and what the host did over the process (vmstat, CPU time by kind, disk reads)
+    resident_at_timed_start: int = -1
+    resident_at_exit: int = -1
+    cpu_s: float = float("nan")
+    to_timed_s: float = float("nan")
+    samples_ts: list[float] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,6 +206,7 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             evicted_resident = memcgroup.resident_bytes([gguf])
         cg.reset_peak()
         oom0 = cg.oom_kills()
+        host0 = hostprobe.snapshot()
         t0 = time.perf_counter()
         proc = cg.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         at_start: dict[str, int] = {}
@@ -210,6 +221,8 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
                     except (OSError, RuntimeError):
                         at_start["proc"] = -1
                     at_start["disk"] = memcgroup.disk_read_bytes()
+                    at_start["t"] = time.perf_counter()
+                    at_start["resident"] = memcgroup.resident_bytes([gguf])
                 err_lines.append(line)
 
         def pump_out() -> None:
@@ -224,9 +237,11 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             proc.kill()
             rusage = memcgroup.wait_with_rusage(proc, None)
         disk_end = memcgroup.disk_read_bytes()
+        wall = time.perf_counter() - t0
+        host = hostprobe.delta(host0, hostprobe.snapshot())
+        resident_at_exit = memcgroup.resident_bytes([gguf])
         for t in threads:
             t.join(10)
-        wall = time.perf_counter() - t0
         total_read = rusage.ru_inblock * 512
         run = BenchRun(
             tok_s=float("nan"), n_tokens=0,
@@ -234,7 +249,9 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             timed_disk_read_bytes=disk_end - at_start["disk"] if "disk" in at_start else -1,
             total_read_bytes=total_read, max_usage_bytes=cg.max_usage_bytes(), failcnt=cg.failcnt(),
             oom_kills=cg.oom_kills() - oom0, returncode=proc.returncode, wall_s=round(wall, 2),
-            resident_after_evict=evicted_resident,
+            resident_after_evict=evicted_resident, resident_at_timed_start=at_start.get("resident", -1),
+            resident_at_exit=resident_at_exit, cpu_s=round(rusage.ru_utime + rusage.ru_stime, 2),
+            to_timed_s=round(at_start["t"] - t0, 2) if "t" in at_start else float("nan"), host=host,
         )
     if proc.returncode != 0:
         tail = "".join(err_lines[-5:]).strip()
@@ -243,6 +260,7 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
     row = json.loads("".join(out_chunks))[0]
     run.tok_s = float(row["avg_ts"])
     run.n_tokens = int(row["n_gen"] or row["n_prompt"])
+    run.samples_ts = [float(x) for x in row.get("samples_ts") or []]
     return run, row
 
 
@@ -338,7 +356,7 @@ def _meminfo(key: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="cmake build of llama-bench / llama-completion")
+    b = sub.add_parser("build", help="cmake build of llama-bench, llama-completion, llama-quantize")
     b.add_argument("--src", type=Path, required=True, help="llama.cpp source (e.g. the sdist's vendor/llama.cpp)")
     b.add_argument("--build", type=Path, required=True)
     b.add_argument("-j", "--jobs", type=int, default=None)
