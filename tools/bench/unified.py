@@ -15,12 +15,21 @@ with `--interleave` each repeat runs every strategy of ours and then one llama-b
 neighbour slows all of them alike. Each row reports its bytes read per token and Belady's fewest for its own
 routing at its own slot count (`belady_read_bytes_per_token`).
 
+Steady state (issue 25): every measured trial, ours and llama-bench's alike, runs straight after
+`--warmup-trials` (default 1) discarded trials of the same strategy, cap and start; a row is the median of the
+measured trials only (the discarded ones are kept as `warmup_tokens_per_s`). Without it, a llama-bench process
+that ran straight after one of our trials was measured in the state our process left the host (see
+docs/benchmarks.md, "The CPU proxy's baseline at its steady state"). `--llama-resident` adds, beside the
+`--resident` rows, each GGUF uncapped with its file already in the page cache (llama.cpp warm).
+
 Routing: `--routing replay` takes routed experts from a real trace (`--trace PATH`, e.g. the DeepSeek-V2-Lite
 prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
 `--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
 
     python tools/bench/unified.py --model $BENCH_DATA/qwen3vl-30b-a3b-8layer \
         --trace $TRACES/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
+
+($BENCH_DATA, $TRACES and the llama.cpp variables are defined in docs/benchmark-setup.md.)
 """
 
 from __future__ import annotations
