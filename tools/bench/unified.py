@@ -422,6 +422,7 @@ def main() -> None:
         starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
     ggufs = parse_ggufs(args.llama_gguf)
     results = []
+    every_trial: list[dict] = []  # in the order they ran, warm-ups included, for the record
     resident = None
     warmups = args.warmup_trials
 
@@ -436,6 +437,7 @@ def main() -> None:
             else:
                 trial = run_trial(args, strategy, cap_bytes, shards, start)
             (trials if measured else discarded)[strategy].append(trial)
+            every_trial.append({"cap": cap, "start": start, "measured": measured, **trial})
             print(json.dumps({"cap": cap, "start": start, "measured": measured, **trial})[:400], flush=True)
             bar.update()
         rows = []
@@ -482,6 +484,7 @@ def main() -> None:
         "predictor_file": str(args.predictor_file) if args.predictor_file else None,
         "disk_gb_s": bandwidth,
         "results": results,
+        "trials": every_trial,
     }
     print(json.dumps(summary, indent=1))
     if args.json:
