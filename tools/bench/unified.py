@@ -296,6 +296,9 @@ def run_llamacpp(
     probes = [
         {
             "resident_at_timed_start": r.resident_at_timed_start,
+            "resident_at_exit": r.resident_at_exit,
+            "timed_read_bytes": r.timed_read_bytes,
+            "wall_s": r.wall_s,
             "cpu_s": r.cpu_s,
             "to_timed_s": r.to_timed_s,
             **{k: r.host.get(k) for k in ("cpu_share.steal", "cpu_share.iowait", "vm.pgmajfault", "loadavg_1m")},
