@@ -63,3 +63,19 @@ def test_host_probe_delta(tmp_path: Path) -> None:
 def test_host_probe_snapshot_reads_this_host() -> None:
     snap = hostprobe.snapshot()
     assert snap["cpu.idle"] > 0 and snap["vm.pgfault"] > 0 and snap["disk_read_bytes"] >= 0
+
+
+def test_report_lists_resident_rows_and_warmups() -> None:
+    from bench.report_unified import table
+
+    rows = [
+        {"strategy": "q:popularity", "cap": 0.4, "decode_tokens_per_s": 10.0, "decode_tokens_per_s_all": [10.0, 9.0],
+         "warmup_tokens_per_s": [3.0, None]},
+        {"strategy": "llama.cpp Q4_K_M", "cap": 0.4, "decode_tokens_per_s": 20.0},
+        {"strategy": "q:resident", "cap": None, "decode_tokens_per_s": 14.0},
+        {"strategy": "llama.cpp Q4_K_M", "cap": None, "decode_tokens_per_s": 35.0},
+    ]
+    lines = table({"results": rows}).splitlines()
+    assert lines[2].startswith("| 40% | q:popularity | 10.00 (10.00, 9.00; warm-ups 3.00, -) |")
+    assert "| 0.50x |" in lines[2]
+    assert lines[4].startswith("| none | q:resident | 14.00 (-) |") and "| 0.40x |" in lines[4]
