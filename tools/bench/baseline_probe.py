@@ -14,6 +14,9 @@ Steps (comma-separated, run in order, each in its own capped memory cgroup with 
     python tools/bench/baseline_probe.py --gguf $G.Q4_K_M.gguf --llama-build $BENCH_DATA/llama/build \
         --model $M-int4 --strategy q:popularity --cap-of $M --cap 0.4 \
         --sequence llama,llama,llama,ours,llama,llama,llama,read,llama,llama --json probe.json
+
+($BENCH_DATA, $M, $G: docs/benchmark-setup.md. What it found: docs/benchmarks.md, "The CPU proxy's baseline at
+its steady state".)
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@
 llama.cpp is NOT part of this repository. Get its source from the PyPI `llama-cpp-python` sdist (which vendors
 llama.cpp and its converter) somewhere outside the repo, e.g.:
 
-    pip download --no-binary :all: --no-deps llama-cpp-python -d $BENCH_DATA/llama
-    tar xzf $BENCH_DATA/llama/llama_cpp_python-*.tar.gz -C $BENCH_DATA/llama
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $BENCH_DATA/llama
+    tar xzf $BENCH_DATA/llama/llama_cpp_python-0.3.36.tar.gz -C $BENCH_DATA/llama
+    python tools/bench/llamacpp.py build --src $LLAMA_SRC --build $LLAMA_BUILD -j 2
+
+($BENCH_DATA: any directory outside the repository; $LLAMA_SRC = $BENCH_DATA/llama/llama_cpp_python-0.3.36/
+vendor/llama.cpp; $LLAMA_BUILD: the build directory. docs/benchmark-setup.md defines every variable.)
 
 Subcommands (see docs/benchmark-setup.md):
 
