@@ -17,7 +17,8 @@ Subcommands (see docs/benchmark-setup.md):
              -DGGML_NATIVE=ON)
     convert  our Qwen3-VL-MoE checkpoint -> text-only Qwen3MoeForCausalLM (tools/checkpoints/export_text_moe.py,
              same expert bytes) -> GGUF (bf16) with llama.cpp's convert_hf_to_gguf.py
-    bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes,
+    bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes
+             after 1 discarded one (--warmup-runs),
              each started with the GGUF evicted from the page cache and run inside a memory cgroup capped at
              --limit (tools/bench/memcgroup.py); reports tok/s and the bytes read during the timed section
 
@@ -190,6 +191,7 @@ class BenchResult:
     threads: int
     tok_s_median: float | None
     runs: list[BenchRun] = field(default_factory=list)
+    warmup_runs: list[BenchRun] = field(default_factory=list)  # discarded: the steady-state rule (issue 25)
     read_bytes_per_token_median: float | None = None
     disk_read_bytes_per_token_median: float | None = None
     cmd: list[str] = field(default_factory=list)
@@ -270,8 +272,9 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
 
 def llama_bench(gguf: str | Path, build_dir: str | Path, *, test: str = "tg32", limit: int | str | None = None,
                 threads: int = 2, runs: int = 3, evict: bool = True, extra_args: tuple[str, ...] = (),
-                timeout: float | None = None, log=print) -> BenchResult:
-    """Median tok/s of `runs` separate llama-bench processes for one test ("tg32", "pp64", ...).
+                timeout: float | None = None, log=print, warmup_runs: int = 0) -> BenchResult:
+    """Median tok/s of `runs` separate llama-bench processes for one test ("tg32", "pp64", ...), after
+    `warmup_runs` discarded processes of the same command (kept in `warmup_runs`).
 
     `limit`: bytes, a size string, "N%" (of the GGUF's size) or None (no cap; still run in an accounting cgroup).
     """
@@ -288,6 +291,10 @@ def llama_bench(gguf: str | Path, build_dir: str | Path, *, test: str = "tg32", 
     result = BenchResult(test=test, limit_bytes=cap, gguf_bytes=size, threads=threads, tok_s_median=None, cmd=cmd)
     if not evict:
         _prime_page_cache(gguf)  # "warm" means warm for every run, the first included
+    for i in range(warmup_runs):
+        run, _ = _bench_once(cmd, gguf, cap, evict=evict, timeout=timeout)
+        result.warmup_runs.append(run)
+        log(f"  {test} warm-up {i + 1}/{warmup_runs} (discarded): " + (run.error or f"{run.tok_s:.3f} tok/s"))
     for i in range(runs):
         run, meta = _bench_once(cmd, gguf, cap, evict=evict, timeout=timeout)
         if meta:
@@ -319,7 +326,8 @@ def _prime_page_cache(path: Path, chunk: int = 8 << 20) -> None:
 
 def baseline(gguf: str | Path, build_dir: str | Path, *, limit: int | str | None, tests: tuple[str, ...] =
              ("tg32", "pp64"), threads: int = 2, runs: int = 3, evict: bool = True,
-             extra_args: tuple[str, ...] = (), timeout: float | None = None, log=print) -> dict[str, object]:
+             extra_args: tuple[str, ...] = (), timeout: float | None = None, log=print,
+             warmup_runs: int = 1) -> dict[str, object]:
     """Run every test of `tests` at one cap; returns a JSON-able dict with the machine and the results."""
     ok, why = memcgroup.memory_cgroup_support()
     if not ok:
@@ -336,7 +344,7 @@ def baseline(gguf: str | Path, build_dir: str | Path, *, limit: int | str | None
     for test in tests:
         log(f"llama-bench {test}, limit {limit}, {threads} threads, {runs} runs, evict={evict}")
         res = llama_bench(gguf, build_dir, test=test, limit=limit, threads=threads, runs=runs, evict=evict,
-                          extra_args=extra_args, timeout=timeout, log=log)
+                          extra_args=extra_args, timeout=timeout, log=log, warmup_runs=warmup_runs)
         out["results"][test] = res.as_dict()  # type: ignore[index]
         if res.tok_s_median is not None:
             per = res.read_bytes_per_token_median
@@ -377,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tests", default="tg32,pp64")
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--runs", type=int, default=3)
+    r.add_argument("--warmup-runs", type=int, default=1,
+                   help="discarded llama-bench processes before the measured ones (steady state, issue 25)")
     r.add_argument("--no-evict", action="store_true",
                    help="warm runs: read the GGUF into the page cache first and never evict it")
     r.add_argument("--timeout", type=float, default=None, help="seconds per llama-bench process")
@@ -392,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = baseline(a.gguf, a.build, limit=a.limit, tests=tuple(a.tests.split(",")), threads=a.threads,
                        runs=a.runs, evict=not a.no_evict, extra_args=tuple(a.extra), timeout=a.timeout,
+                       warmup_runs=a.warmup_runs,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
         text = json.dumps(res, indent=2)
         if a.json:
