@@ -4,15 +4,21 @@
 llama.cpp is NOT part of this repository. Get its source from the PyPI `llama-cpp-python` sdist (which vendors
 llama.cpp and its converter) somewhere outside the repo, e.g.:
 
-    pip download --no-binary :all: --no-deps llama-cpp-python -d $BENCH_DATA/llama
-    tar xzf $BENCH_DATA/llama/llama_cpp_python-*.tar.gz -C $BENCH_DATA/llama
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $BENCH_DATA/llama
+    tar xzf $BENCH_DATA/llama/llama_cpp_python-0.3.36.tar.gz -C $BENCH_DATA/llama
+    python tools/bench/llamacpp.py build --src $LLAMA_SRC --build $LLAMA_BUILD -j 2
+
+($BENCH_DATA: any directory outside the repository; $LLAMA_SRC = $BENCH_DATA/llama/llama_cpp_python-0.3.36/
+vendor/llama.cpp; $LLAMA_BUILD: the build directory. docs/benchmark-setup.md defines every variable.)
 
 Subcommands (see docs/benchmark-setup.md):
 
-    build    cmake configure + build llama-bench / llama-completion (CPU, Release, -DGGML_NATIVE=ON)
+    build    cmake configure + build llama-bench, llama-completion and llama-quantize (CPU, Release,
+             -DGGML_NATIVE=ON)
     convert  our Qwen3-VL-MoE checkpoint -> text-only Qwen3MoeForCausalLM (tools/checkpoints/export_text_moe.py,
              same expert bytes) -> GGUF (bf16) with llama.cpp's convert_hf_to_gguf.py
-    bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes,
+    bench    llama-bench tg32 and pp64, 2 threads, each measurement = median of 3 separate llama-bench processes
+             after 1 discarded one (--warmup-runs),
              each started with the GGUF evicted from the page cache and run inside a memory cgroup capped at
              --limit (tools/bench/memcgroup.py); reports tok/s and the bytes read during the timed section
 
@@ -43,9 +49,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import memcgroup  # noqa: E402
+from bench import hostprobe, memcgroup  # noqa: E402
 
-DEFAULT_TARGETS = ("llama-bench", "llama-completion")
+DEFAULT_TARGETS = ("llama-bench", "llama-completion", "llama-quantize")  # quantize: Q4_K_M, Q8_0
 
 # Runs convert_hf_to_gguf.py in-process with one patch: an unknown BPE pre-tokenizer hash -> "gpt-2".
 _CONVERT_WRAPPER = r"""
@@ -166,6 +172,15 @@ class BenchRun:
     wall_s: float
     resident_after_evict: int
     error: str | None = None
+    # why a run may be slow (see hostprobe.py): the GGUF's bytes in the page cache when the timed section starts
+    # and when the process exits, the child's own CPU seconds, the seconds to the timed section (load + warmup),
+    # each repetition's tok/s, and what the host did over the process (vmstat, CPU time by kind, disk reads)
+    resident_at_timed_start: int = -1
+    resident_at_exit: int = -1
+    cpu_s: float = float("nan")
+    to_timed_s: float = float("nan")
+    samples_ts: list[float] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +191,7 @@ class BenchResult:
     threads: int
     tok_s_median: float | None
     runs: list[BenchRun] = field(default_factory=list)
+    warmup_runs: list[BenchRun] = field(default_factory=list)  # discarded: the steady-state rule (issue 25)
     read_bytes_per_token_median: float | None = None
     disk_read_bytes_per_token_median: float | None = None
     cmd: list[str] = field(default_factory=list)
@@ -196,6 +212,7 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             evicted_resident = memcgroup.resident_bytes([gguf])
         cg.reset_peak()
         oom0 = cg.oom_kills()
+        host0 = hostprobe.snapshot()
         t0 = time.perf_counter()
         proc = cg.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         at_start: dict[str, int] = {}
@@ -210,6 +227,8 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
                     except (OSError, RuntimeError):
                         at_start["proc"] = -1
                     at_start["disk"] = memcgroup.disk_read_bytes()
+                    at_start["t"] = time.perf_counter()
+                    at_start["resident"] = memcgroup.resident_bytes([gguf])
                 err_lines.append(line)
 
         def pump_out() -> None:
@@ -224,9 +243,11 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             proc.kill()
             rusage = memcgroup.wait_with_rusage(proc, None)
         disk_end = memcgroup.disk_read_bytes()
+        wall = time.perf_counter() - t0
+        host = hostprobe.delta(host0, hostprobe.snapshot())
+        resident_at_exit = memcgroup.resident_bytes([gguf])
         for t in threads:
             t.join(10)
-        wall = time.perf_counter() - t0
         total_read = rusage.ru_inblock * 512
         run = BenchRun(
             tok_s=float("nan"), n_tokens=0,
@@ -234,7 +255,9 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
             timed_disk_read_bytes=disk_end - at_start["disk"] if "disk" in at_start else -1,
             total_read_bytes=total_read, max_usage_bytes=cg.max_usage_bytes(), failcnt=cg.failcnt(),
             oom_kills=cg.oom_kills() - oom0, returncode=proc.returncode, wall_s=round(wall, 2),
-            resident_after_evict=evicted_resident,
+            resident_after_evict=evicted_resident, resident_at_timed_start=at_start.get("resident", -1),
+            resident_at_exit=resident_at_exit, cpu_s=round(rusage.ru_utime + rusage.ru_stime, 2),
+            to_timed_s=round(at_start["t"] - t0, 2) if "t" in at_start else float("nan"), host=host,
         )
     if proc.returncode != 0:
         tail = "".join(err_lines[-5:]).strip()
@@ -243,13 +266,15 @@ def _bench_once(cmd: list[str], gguf: Path, limit: int | None, *, evict: bool,
     row = json.loads("".join(out_chunks))[0]
     run.tok_s = float(row["avg_ts"])
     run.n_tokens = int(row["n_gen"] or row["n_prompt"])
+    run.samples_ts = [float(x) for x in row.get("samples_ts") or []]
     return run, row
 
 
 def llama_bench(gguf: str | Path, build_dir: str | Path, *, test: str = "tg32", limit: int | str | None = None,
                 threads: int = 2, runs: int = 3, evict: bool = True, extra_args: tuple[str, ...] = (),
-                timeout: float | None = None, log=print) -> BenchResult:
-    """Median tok/s of `runs` separate llama-bench processes for one test ("tg32", "pp64", ...).
+                timeout: float | None = None, log=print, warmup_runs: int = 0) -> BenchResult:
+    """Median tok/s of `runs` separate llama-bench processes for one test ("tg32", "pp64", ...), after
+    `warmup_runs` discarded processes of the same command (kept in `warmup_runs`).
 
     `limit`: bytes, a size string, "N%" (of the GGUF's size) or None (no cap; still run in an accounting cgroup).
     """
@@ -266,6 +291,10 @@ def llama_bench(gguf: str | Path, build_dir: str | Path, *, test: str = "tg32", 
     result = BenchResult(test=test, limit_bytes=cap, gguf_bytes=size, threads=threads, tok_s_median=None, cmd=cmd)
     if not evict:
         _prime_page_cache(gguf)  # "warm" means warm for every run, the first included
+    for i in range(warmup_runs):
+        run, _ = _bench_once(cmd, gguf, cap, evict=evict, timeout=timeout)
+        result.warmup_runs.append(run)
+        log(f"  {test} warm-up {i + 1}/{warmup_runs} (discarded): " + (run.error or f"{run.tok_s:.3f} tok/s"))
     for i in range(runs):
         run, meta = _bench_once(cmd, gguf, cap, evict=evict, timeout=timeout)
         if meta:
@@ -297,7 +326,8 @@ def _prime_page_cache(path: Path, chunk: int = 8 << 20) -> None:
 
 def baseline(gguf: str | Path, build_dir: str | Path, *, limit: int | str | None, tests: tuple[str, ...] =
              ("tg32", "pp64"), threads: int = 2, runs: int = 3, evict: bool = True,
-             extra_args: tuple[str, ...] = (), timeout: float | None = None, log=print) -> dict[str, object]:
+             extra_args: tuple[str, ...] = (), timeout: float | None = None, log=print,
+             warmup_runs: int = 1) -> dict[str, object]:
     """Run every test of `tests` at one cap; returns a JSON-able dict with the machine and the results."""
     ok, why = memcgroup.memory_cgroup_support()
     if not ok:
@@ -314,7 +344,7 @@ def baseline(gguf: str | Path, build_dir: str | Path, *, limit: int | str | None
     for test in tests:
         log(f"llama-bench {test}, limit {limit}, {threads} threads, {runs} runs, evict={evict}")
         res = llama_bench(gguf, build_dir, test=test, limit=limit, threads=threads, runs=runs, evict=evict,
-                          extra_args=extra_args, timeout=timeout, log=log)
+                          extra_args=extra_args, timeout=timeout, log=log, warmup_runs=warmup_runs)
         out["results"][test] = res.as_dict()  # type: ignore[index]
         if res.tok_s_median is not None:
             per = res.read_bytes_per_token_median
@@ -338,7 +368,7 @@ def _meminfo(key: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="cmake build of llama-bench / llama-completion")
+    b = sub.add_parser("build", help="cmake build of llama-bench, llama-completion, llama-quantize")
     b.add_argument("--src", type=Path, required=True, help="llama.cpp source (e.g. the sdist's vendor/llama.cpp)")
     b.add_argument("--build", type=Path, required=True)
     b.add_argument("-j", "--jobs", type=int, default=None)
@@ -355,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tests", default="tg32,pp64")
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--runs", type=int, default=3)
+    r.add_argument("--warmup-runs", type=int, default=1,
+                   help="discarded llama-bench processes before the measured ones (steady state, issue 25)")
     r.add_argument("--no-evict", action="store_true",
                    help="warm runs: read the GGUF into the page cache first and never evict it")
     r.add_argument("--timeout", type=float, default=None, help="seconds per llama-bench process")
@@ -370,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = baseline(a.gguf, a.build, limit=a.limit, tests=tuple(a.tests.split(",")), threads=a.threads,
                        runs=a.runs, evict=not a.no_evict, extra_args=tuple(a.extra), timeout=a.timeout,
+                       warmup_runs=a.warmup_runs,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
         text = json.dumps(res, indent=2)
         if a.json:

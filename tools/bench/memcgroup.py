@@ -184,7 +184,7 @@ def resident_bytes(paths: Iterable[str | os.PathLike]) -> int:
                     vec = (ctypes.c_ubyte * n)()
                     if _libc.mincore(addr, length, vec) != 0:
                         raise OSError(ctypes.get_errno(), f"mincore {p}")
-                    total += sum(b & 1 for b in bytes(vec)) * page
+                    total += bytes(vec).count(1) * page  # bit 0 = resident; the rest are reserved (0)
                 finally:
                     _libc.munmap(addr, length)
         finally:

@@ -15,12 +15,21 @@ with `--interleave` each repeat runs every strategy of ours and then one llama-b
 neighbour slows all of them alike. Each row reports its bytes read per token and Belady's fewest for its own
 routing at its own slot count (`belady_read_bytes_per_token`).
 
+Steady state (issue 25): every measured trial, ours and llama-bench's alike, runs straight after
+`--warmup-trials` (default 1) discarded trials of the same strategy, cap and start; a row is the median of the
+measured trials only (the discarded ones are kept as `warmup_tokens_per_s`). Without it, a llama-bench process
+that ran straight after one of our trials was measured in the state our process left the host (see
+docs/benchmarks.md, "The CPU proxy's baseline at its steady state"). `--llama-resident` adds, beside the
+`--resident` rows, each GGUF uncapped with its file already in the page cache (llama.cpp warm).
+
 Routing: `--routing replay` takes routed experts from a real trace (`--trace PATH`, e.g. the DeepSeek-V2-Lite
 prefill trace: a text model's real token-to-token locality, 64 experts top-6 per layer, replayed on our layers);
 `--routing sampled` decodes with temperature 1 through the synthetic model's own routers.
 
     python tools/bench/unified.py --model $BENCH_DATA/qwen3vl-30b-a3b-8layer \
         --trace $TRACES/deepseek_v2_lite_chat_puffin_prefill_top6.npz --caps 0.4,0.6 --repeats 3
+
+($BENCH_DATA, $TRACES and the llama.cpp variables are defined in docs/benchmark-setup.md.)
 """
 
 from __future__ import annotations
@@ -248,9 +257,27 @@ def parse_ggufs(values: list[str] | None) -> dict[str, Path]:
     return out
 
 
-def run_llamacpp(args: argparse.Namespace, cap_bytes: int, gguf: Path, name: str = "llama.cpp", runs: int = 0) -> dict:
-    """llama.cpp's own llama-bench tg on the same expert bytes (converted to GGUF), same cap, evicted cache; `runs`
-    separate processes (default --repeats)."""
+def trial_order(
+    names: list[str], starts: list[int], *, interleave: bool, warmups: int
+) -> list[tuple[str, int, bool]]:
+    """(strategy, start, measured) in the order to run them. Every measured trial comes straight after `warmups`
+    discarded trials of the same strategy and start, so that each engine is measured at its steady state, not in
+    whatever state the previous engine's process left the host (issue 25: a llama-bench process right after one
+    of ours decoded at a quarter of its steady speed). The same rule applies to every strategy, ours included."""
+    if interleave:  # round-robin over strategies, so that a noisy neighbour slows them alike
+        pairs = [(strategy, start) for start in starts for strategy in names]
+    else:
+        pairs = [(strategy, start) for strategy in names for start in starts]
+    return [(s, start, measured) for s, start in pairs for measured in [False] * warmups + [True]]
+
+
+def run_llamacpp(
+    args: argparse.Namespace, cap_bytes: int | None, gguf: Path, name: str = "llama.cpp", runs: int = 0,
+    *, warm: bool = False
+) -> dict:
+    """llama.cpp's own llama-bench tg on the same expert bytes (converted to GGUF); `runs` separate processes
+    (default --repeats). Capped at `cap_bytes` with the GGUF evicted before each process, or (`warm`, for the
+    resident row) uncapped with the GGUF read into the page cache first and left there."""
     from bench import llamacpp as llamacpp_baseline
 
     result = llamacpp_baseline.llama_bench(
@@ -259,12 +286,25 @@ def run_llamacpp(args: argparse.Namespace, cap_bytes: int, gguf: Path, name: str
         test=f"tg{args.llama_tokens}",
         limit=cap_bytes,
         runs=runs or args.repeats,
+        evict=not warm,
         log=lambda line: None,
         timeout=args.llama_timeout,
         extra_args=tuple(args.llama_args.split()),
     )
     if result.tok_s_median is None:
         return {"strategy": name, "cap_bytes": cap_bytes, "error": str([r.error for r in result.runs])}
+    probes = [
+        {
+            "resident_at_timed_start": r.resident_at_timed_start,
+            "resident_at_exit": r.resident_at_exit,
+            "timed_read_bytes": r.timed_read_bytes,
+            "wall_s": r.wall_s,
+            "cpu_s": r.cpu_s,
+            "to_timed_s": r.to_timed_s,
+            **{k: r.host.get(k) for k in ("cpu_share.steal", "cpu_share.iowait", "vm.pgmajfault", "loadavg_1m")},
+        }
+        for r in result.runs
+    ]
     return {
         "strategy": name,
         "gguf": str(gguf),
@@ -277,10 +317,12 @@ def run_llamacpp(args: argparse.Namespace, cap_bytes: int, gguf: Path, name: str
         "decode_tokens_per_s_all": [round(r.tok_s, 3) for r in result.runs],
         "trials": len(result.runs),
         "routing": "llama.cpp's own (random prompt ids through the synthetic routers)",
+        "probes": probes,
     }
 
 
-def median_of(trials: list[dict]) -> dict:
+def median_of(trials: list[dict], warmups: list[dict] | None = None) -> dict:
+    """The median row of the measured `trials`; the discarded warm-up trials' tok/s are kept for the record."""
     ok = [t for t in trials if "error" not in t]
     if not ok:
         return trials[0]
@@ -307,6 +349,9 @@ def median_of(trials: list[dict]) -> dict:
         out["belady_read_bytes_per_token"] = out["oracle_read_bytes_per_token"]
     if len(ok) < len(trials):
         out["failed_trials"] = [t["error"] for t in trials if "error" in t]
+    if warmups:
+        out["warmup_tokens_per_s"] = [round(t["decode_tokens_per_s"], 3) if "error" not in t else None
+                                      for t in warmups]
     return out
 
 
@@ -332,6 +377,17 @@ def main() -> None:
     ap.add_argument("--starts", help="comma-separated trace tokens where the repeats start (default 1000, 2000, ...)")
     ap.add_argument(
         "--interleave", action="store_true", help="run a cap's trials round-robin over the strategies (noisy hosts)"
+    )
+    ap.add_argument(
+        "--warmup-trials",
+        type=int,
+        default=1,
+        help="discarded trials of the same strategy straight before each measured one (ours and llama.cpp's)",
+    )
+    ap.add_argument(
+        "--llama-resident",
+        action="store_true",
+        help="with --resident: also time each --llama-gguf uncapped, its file in the page cache (warm)",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -369,34 +425,42 @@ def main() -> None:
         starts = [1000 * (r + 1) for r in range(args.repeats)]  # each repeat replays a different stretch
     ggufs = parse_ggufs(args.llama_gguf)
     results = []
+    every_trial: list[dict] = []  # in the order they ran, warm-ups included, for the record
     resident = None
-    for name in [r for r in args.resident.split(",") if r]:
-        row = median_of([run_trial(args, name, None, shards, s) for s in starts])
-        print(name, row, flush=True)
-        results.append({**row, "cap": None})
-        resident = resident or row
-    bar = tqdm(total=len(caps) * (len(strategies) + len(ggufs)) * len(starts), desc="trials")
-    for cap in caps:
-        cap_bytes = int(cap * checkpoint_bytes)
-        rows = []
-        trials: dict[str, list[dict]] = {s: [] for s in strategies}
-        trials.update({name: [] for name in ggufs})
-        names = strategies + list(ggufs)
-        if args.interleave:  # round-robin over strategies, so that a noisy neighbour slows them alike
-            order = [(strategy, start) for start in starts for strategy in names]
-        else:
-            order = [(strategy, start) for strategy in names for start in starts]
-        for strategy, start in order:
-            if strategy in ggufs:  # one llama-bench process per repeat
-                trials[strategy].append(run_llamacpp(args, cap_bytes, ggufs[strategy], strategy, runs=1))
+    warmups = args.warmup_trials
+
+    def run_all(names: list[str], cap_bytes: int | None, cap: float | None) -> list[dict]:
+        """Every strategy of `names` at one cap (None: the resident rows), each measured trial after its
+        discarded warm-up trials (trial_order); one row per strategy, the median of its measured trials."""
+        trials: dict[str, list[dict]] = {name: [] for name in names}
+        discarded: dict[str, list[dict]] = {name: [] for name in names}
+        for strategy, start, measured in trial_order(names, starts, interleave=args.interleave, warmups=warmups):
+            if strategy in ggufs:  # one llama-bench process per trial; warm and uncapped for the resident row
+                trial = run_llamacpp(args, cap_bytes, ggufs[strategy], strategy, runs=1, warm=cap_bytes is None)
             else:
-                trials[strategy].append(run_trial(args, strategy, cap_bytes, shards, start))
-            print(json.dumps({"cap": cap, "start": start, **trials[strategy][-1]})[:400], flush=True)
+                trial = run_trial(args, strategy, cap_bytes, shards, start)
+            (trials if measured else discarded)[strategy].append(trial)
+            every_trial.append({"cap": cap, "start": start, "measured": measured, **trial})
+            print(json.dumps({"cap": cap, "start": start, "measured": measured, **trial})[:400], flush=True)
             bar.update()
+        rows = []
         for strategy in names:
-            row = {**median_of(trials[strategy]), "cap": cap}
+            row = {**median_of(trials[strategy], discarded[strategy]), "cap": cap}
             rows.append(row)
             print(json.dumps(row), flush=True)
+        return rows
+
+    resident_names = [r for r in args.resident.split(",") if r]
+    if resident_names and args.llama_resident:
+        resident_names += list(ggufs)
+    caps_total = len(caps) * (len(strategies) + len(ggufs)) + len(resident_names)
+    bar = tqdm(total=caps_total * len(starts) * (1 + warmups), desc="trials")
+    if resident_names:
+        results += run_all(resident_names, None, None)
+        resident = next((r for r in results if "error" not in r and r["strategy"] not in ggufs), None)
+    for cap in caps:
+        cap_bytes = int(cap * checkpoint_bytes)
+        rows = run_all(strategies + list(ggufs), cap_bytes, cap)
         lru = next((r for r in rows if r["strategy"] == "lru" and "error" not in r), None)
         if lru is not None and resident is not None:
             fastest = max([bandwidth] + [r["fetch_gb_s"] for r in rows if r.get("fetch_gb_s")])
@@ -418,10 +482,12 @@ def main() -> None:
         "decode_tokens": args.tokens,
         "repeats": len(starts),
         "interleaved": args.interleave,
+        "warmup_trials": warmups,
         "starts": starts,
         "predictor_file": str(args.predictor_file) if args.predictor_file else None,
         "disk_gb_s": bandwidth,
         "results": results,
+        "trials": every_trial,
     }
     print(json.dumps(summary, indent=1))
     if args.json:
