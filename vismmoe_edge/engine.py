@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,16 +29,11 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
-from vismmoe_edge.models.ops import PrefillOps, VisualFeatures, join_in_prompt_order
-from vismmoe_edge.prefix_cache import (
-    CachedVision,
-    PrefixCache,
-    image_code,
-    image_key,
-    pixels_key,
-    processor_settings,
-)
+from vismmoe_edge.models.ops import PrefillOps, visual_features
+from vismmoe_edge.prefix_cache import PrefixCache
+from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
+from vismmoe_edge.results import GenerationResult, Timings
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for
 from vismmoe_edge.step_context import StepContext
@@ -50,55 +45,6 @@ from vismmoe_edge.video import Clip
 class StepObserver(Protocol):
     def begin_step(self, phase: str, num_tokens: int) -> None: ...
     def end_step(self, phase: str, token_index: int) -> None: ...
-
-
-@dataclass
-class Timings:
-    vision_s: float = 0.0
-    compress_s: float = 0.0  # choosing the kept visual tokens and cutting the sequence
-    prefill_s: float = 0.0  # vision tower and compression included
-    decode_s: float = 0.0
-    decode_tokens: int = 0
-    prefix_reused_tokens: int = 0  # prompt positions whose KV came from the prefix cache (not prefilled)
-    vision_cached_images: int = 0  # images whose vision-tower output came from the prefix cache
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "vision_s": self.vision_s,
-            "compress_s": self.compress_s,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "decode_tokens": self.decode_tokens,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "prefix_reused_tokens": self.prefix_reused_tokens,
-            "vision_cached_images": self.vision_cached_images,
-        }
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    stop_reason: str  # "stop_token" or "max_new_tokens" or "cancelled"
-    timings: Timings
-    experts: dict[str, float] = field(default_factory=dict)
-    compression: CompressionReport | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "compression": self.compression.as_dict() if self.compression is not None else None,
-            "prompt_token_ids": self.prompt_token_ids,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "stop_reason": self.stop_reason,
-            "timings": self.timings.as_dict(),
-            "experts": self.experts,
-        }
 
 
 @dataclass
@@ -155,13 +101,11 @@ class Engine:
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
-        # ... with each layer's attention and router compiled by torch.compile on CUDA (kernels/decode_layer.py):
-        # off by default until measured; the first token of each KV capacity then waits for the compiler
+        # ... with its layers compiled by torch.compile (kernels/decode_layer.py): opt-in, the first token compiles
         self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
-        self._processor_settings: str | None = None  # what of the processor shapes visual tokens, for image keys
 
     def close(self) -> None:
         """Stop the expert I/O and predictor threads and unmap the shards no tensor views any more; the engine is
@@ -217,7 +161,7 @@ class Engine:
         self, prompt: str, images: list[str | Path | Image.Image] | None = None, videos: list[Clip] | None = None
     ) -> PromptInputs:
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return self._with_image_keys(encode_prompt(self.processor, prompt, loaded, videos or []), loaded)
+        return self._keyed(encode_prompt(self.processor, prompt, loaded, videos or []), loaded)
 
     def encode_messages(
         self,
@@ -228,16 +172,12 @@ class Engine:
         """A multi-turn conversation; its `{"type": "image"}` parts take `images` in order, `{"type": "video"}`
         parts `videos` (clips of frames: vismmoe_edge/video.py)."""
         loaded = [img if isinstance(img, Image.Image) else load_image(img) for img in images or []]
-        return self._with_image_keys(encode_messages(self.processor, messages, loaded, videos or []), loaded)
+        return self._keyed(encode_messages(self.processor, messages, loaded, videos or []), loaded)
 
-    def _with_image_keys(self, inputs: PromptInputs, images: list[Image.Image]) -> PromptInputs:
-        """With a prefix cache, address each image by its decoded pixels and the processor's settings: hashing
-        them costs a fraction of hashing the processor's float patches (prefix_cache.pixels_key)."""
+    def _keyed(self, inputs: PromptInputs, images: list[Image.Image]) -> PromptInputs:
+        """With a prefix cache, each image addressed by its decoded pixels (prefix_keys.pixel_keys)."""
         if self.prefix_cache is not None and images and inputs.pixel_values is not None:
-            if self._processor_settings is None:
-                self._processor_settings = processor_settings(self.processor)
-            salt = self.prefix_cache.salt + self._processor_settings
-            inputs.image_keys = [pixels_key(img, salt) for img in images]
+            inputs.image_keys = pixel_keys(self.prefix_cache, self.processor, images)
         return inputs
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
@@ -269,11 +209,15 @@ class Engine:
         # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
         # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position. Clips are
         # not addressed by content: a prompt with one neither reuses nor keeps anything.
-        reuse_kv = cache_on and not compress and self.experts.replay is None and not self._has_video(input_ids)
+        replayed = self.experts.replay is not None
+        reuse_kv = cache_on and not compress and not replayed and not has_video(self.model.config, input_ids)
         keys: list[str] = []
         if cache_on and inputs.pixel_values is not None and not video:
-            keys = inputs.image_keys or self._image_keys(inputs)
-        content = self._content(input_ids, inputs, keys) if reuse_kv else None
+            keys = inputs.image_keys or patch_keys(inputs, self.prefix_cache.salt)  # type: ignore[union-attr]
+        content = None
+        if reuse_kv:
+            counts = self.ops.visual_token_counts(self.model, inputs.image_grid_thw) if keys else []
+            content = prompt_content(input_ids, self.model.config.image_token_id, keys, counts)
         entry, reused = self.prefix_cache.match(content) if content is not None else (None, 0)  # type: ignore[union-attr]
         timings.prefix_reused_tokens = reused
         for observer in self.observers:
@@ -292,13 +236,15 @@ class Engine:
             grid = inputs.image_grid_thw.to(self.device) if inputs.pixel_values is not None else None
             if compress and self.compression.needs_saliency:
                 saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
-            visual = self._cached_vision(keys, timings) if keys and saliency is None else None
+            visual = cached_vision(self.prefix_cache, keys) if keys and saliency is None else None  # type: ignore[arg-type]
             if visual is None:
                 with saliency if saliency is not None else contextlib.nullcontext():
-                    visual, full_mask = self._visual_features(inputs, input_ids, grid)
+                    visual, full_mask = visual_features(self.ops, self.model, inputs, input_ids, grid, self.dtype)
                 if keys:
-                    self._keep_vision(keys, visual, grid)
+                    counts = self.ops.visual_token_counts(self.model, grid)
+                    keep_vision(self.prefix_cache, keys, visual, counts)  # type: ignore[arg-type]
             else:
+                timings.vision_cached_images = len(keys)
                 full_mask = input_ids == self.model.config.image_token_id
             timings.vision_s = time.perf_counter() - start
             image_embeds = visual.embeds.to(hidden.dtype)  # images' and clips' tokens, in prompt order
@@ -381,68 +327,6 @@ class Engine:
             observer.end_step("prefill", 0)
         self.interest_rows = None  # decode steps carry one token
         return logits, DecodeState(cache=cache, next_position=next_position)
-
-    def _visual_features(
-        self, inputs: PromptInputs, input_ids: torch.Tensor, grid: torch.Tensor | None
-    ) -> tuple[VisualFeatures, torch.Tensor]:
-        """The vision tower's tokens for the prompt's images and clips, joined in prompt order, and their mask."""
-        image_mask = input_ids == self.model.config.image_token_id
-        if inputs.pixel_values is not None:
-            images = self.ops.image_features(self.model, inputs.pixel_values.to(self.device, self.dtype), grid)
-        if inputs.pixel_values_videos is None:
-            return images, image_mask
-        video_grid = inputs.video_grid_thw.to(self.device)
-        pixels = inputs.pixel_values_videos.to(self.device, self.dtype)
-        clips = self.ops.video_features(self.model, pixels, video_grid)
-        video_mask = input_ids == self.model.config.video_token_id
-        if inputs.pixel_values is None:
-            return clips, video_mask
-        return join_in_prompt_order(images, clips, image_mask[0], video_mask[0]), image_mask | video_mask
-
-    # ---- the prefix cache's keys and entries ---------------------------------------------------------------
-    def _has_video(self, input_ids: torch.Tensor) -> bool:
-        """Video placeholders are not addressed by content here: a prompt holding any never reuses or keeps KV
-        (two clips of one size would otherwise compare equal)."""
-        video = getattr(self.model.config, "video_token_id", None)
-        return video is not None and bool((input_ids == video).any())
-
-    def _image_keys(self, inputs: PromptInputs) -> list[str]:
-        """Each image's content address: its own rows of the processor's patches, its grid, the model's salt."""
-        grid = inputs.image_grid_thw
-        assert inputs.pixel_values is not None and grid is not None and self.prefix_cache is not None
-        rows = [int(t * h * w) for t, h, w in grid.tolist()]
-        patches = inputs.pixel_values.split(rows)
-        return [image_key(p, g, self.prefix_cache.salt) for p, g in zip(patches, grid, strict=True)]
-
-    def _content(self, input_ids: torch.Tensor, inputs: PromptInputs, keys: list[str]) -> torch.Tensor:
-        """The prompt as the prefix cache compares it: token ids, each image's placeholders its image's code."""
-        content = input_ids[0].to("cpu", torch.long).clone()
-        if keys:
-            counts = self.ops.visual_token_counts(self.model, inputs.image_grid_thw)
-            codes = torch.cat(
-                [torch.full((n,), image_code(k), dtype=torch.long) for k, n in zip(keys, counts, strict=True)]
-            )
-            placeholders = content == self.model.config.image_token_id
-            if int(placeholders.sum()) == codes.numel():  # else prefill refuses the prompt with its own message
-                content[placeholders] = codes
-        return content
-
-    def _cached_vision(self, keys: list[str], timings: Timings) -> VisualFeatures | None:
-        found = self.prefix_cache.vision(keys)  # type: ignore[union-attr]
-        if found is None:
-            return None
-        timings.vision_cached_images = len(found)
-        layers = len(found[0].deepstack)
-        deepstack = [torch.cat([f.deepstack[i] for f in found]) for i in range(layers)]
-        return VisualFeatures(torch.cat([f.embeds for f in found]), deepstack)
-
-    def _keep_vision(self, keys: list[str], visual: VisualFeatures, grid: torch.Tensor) -> None:
-        counts = self.ops.visual_token_counts(self.model, grid)
-        embeds = visual.embeds.split(counts)
-        stacks = [features.split(counts) for features in visual.deepstack]
-        for i, key in enumerate(keys):  # copies: an entry must not hold the whole request's tensor alive
-            features = CachedVision(embeds[i].clone(), tuple(s[i].clone() for s in stacks))
-            self.prefix_cache.put_vision(key, features)  # type: ignore[union-attr]
 
     def _cut_layer(self) -> int:
         """The decoder layer before which visual tokens are dropped: the first one after the pinned prefix."""

@@ -15,7 +15,7 @@ pipeline fetched per step.
 This CPU is not an Orin: tok/s here is this machine's, and the board's is projected from the bytes per token
 (tools/analysis/orin_projection.py --measured JSON).
 
-    python tools/bench/board_proxy.py --model /work/bench-data/qwen3vl-30b-a3b-int4-dense4 \\
+    python tools/bench/board_proxy.py --model $BENCH_DATA/qwen3vl-30b-a3b-int4-dense4 \\
         --profile orin-nano-8gb-super--maxn-super --profile orin-nx-16gb--maxn --json board_proxy.json
 """
 

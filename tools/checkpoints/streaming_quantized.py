@@ -26,7 +26,7 @@ faster than drawing N(0, expert_std) and quantizing it (`--quantize-experts`: ~0
 ~45 min for 6,144) and changes only the weights' values, not the bytes, the layout or the routing. The outputs are
 meaningless either way.
 
-CLI:  nice -n 10 python tools/checkpoints/streaming_quantized.py /work/bench-data/qwen3vl-30b-a3b-int4-dense4 \\
+CLI:  nice -n 10 python tools/checkpoints/streaming_quantized.py $BENCH_DATA/qwen3vl-30b-a3b-int4-dense4 \\
           --dense-bits 4                                           # ~17 GB; --layers 2 for a smoke test
 """
 

@@ -141,3 +141,21 @@ def join_in_prompt_order(
 
     deepstack = [join(a, b) for a, b in zip(images.deepstack, videos.deepstack, strict=True)]
     return VisualFeatures(join(images.embeds, videos.embeds), deepstack)
+
+
+def visual_features(
+    ops: PrefillOps, model: Any, inputs: Any, input_ids: torch.Tensor, grid: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[VisualFeatures, torch.Tensor]:
+    """The vision tower's tokens for a prompt's images and clips (PromptInputs; pixels at `dtype` on the prompt's
+    device), joined in prompt order, and the mask [1, N] of their placeholders."""
+    device = input_ids.device
+    image_mask = input_ids == model.config.image_token_id
+    if inputs.pixel_values is not None:
+        images = ops.image_features(model, inputs.pixel_values.to(device, dtype), grid)
+    if inputs.pixel_values_videos is None:
+        return images, image_mask
+    clips = ops.video_features(model, inputs.pixel_values_videos.to(device, dtype), inputs.video_grid_thw.to(device))
+    video_mask = input_ids == model.config.video_token_id
+    if inputs.pixel_values is None:
+        return clips, video_mask
+    return join_in_prompt_order(images, clips, image_mask[0], video_mask[0]), image_mask | video_mask
