@@ -284,7 +284,6 @@ def test_image_keys_follow_pixels_and_processor_settings(checkpoints: dict[str, 
     assert engine.encode("Another question?", [same]).image_keys == key  # the pixels, not the file or prompt
     assert engine.encode("Q?", [Image.eval(same, lambda v: v ^ 1)]).image_keys != key
     engine.processor.image_processor.size.longest_edge = 128 * 128
-    engine._processor_settings = None
     assert engine.encode("Q?", [images[0]]).image_keys != key  # another resize bound: other visual tokens
     # inputs built without the engine's encode are keyed by their processor patches, and reuse as well
     first, second = (engine.encode(q, [images[0]]) for q, _ in QUESTIONS.values())

@@ -84,10 +84,16 @@ def start_daemon(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     if args.model:
         cmd += ["--model", args.model]
     cmd += ["--device", "cpu", "--max-tokens", str(max(args.max_tokens, 16)), *args.serve_arg]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return launch_daemon(cmd, log_path, args.start_timeout)
+
+
+def launch_daemon(cmd: list[str], log_path: Path, timeout: float) -> tuple[subprocess.Popen, int]:
+    """Start `vismmoe-edge serve ... --port 0` from this checkout (the caller's PYTHONPATH kept after it), its
+    output in `log_path`; returns the process and the port it reports ready on."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = log_path.open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=REPO)
-    end = time.monotonic() + args.start_timeout
+    end = time.monotonic() + timeout
     while time.monotonic() < end:
         text = log_path.read_text(errors="replace")
         if " ready: " in text:

@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+
+from load_test import launch_daemon  # noqa: E402
+
 FIRST = "What colour is the circle?"
 SECOND = "How many shapes are there?"
 
@@ -41,20 +45,7 @@ def start_daemon(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     cmd = [sys.executable, "-m", "vismmoe_edge.cli", "serve", "--port", "0", "--device", args.device]
     if args.model:
         cmd += ["--model", args.model]
-    cmd += [*args.serve_arg]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=REPO)
-    end = time.monotonic() + args.start_timeout
-    while time.monotonic() < end:
-        text = log_path.read_text(errors="replace")
-        if " ready: " in text:
-            return proc, int(text.split("ready: ", 1)[1].split("127.0.0.1:", 1)[1].split()[0])
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the daemon did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
+    return launch_daemon([*cmd, *args.serve_arg], log_path, args.start_timeout)
 
 
 def frame_url(image: Path, index: int) -> str:
