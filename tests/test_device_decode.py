@@ -21,13 +21,19 @@ from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.sampling import SamplingConfig
 
 
-@pytest.mark.parametrize(("budget", "fused"), [("100%", False), ("25%", False), ("25%", True)])
-def test_device_token_matches_transformers(checkpoints, references, budget: str, fused: bool) -> None:
-    """`fused`: the layers' attention and router as kernels/decode_layer.py spells them (compiled on CUDA)."""
+@pytest.mark.parametrize(
+    ("budget", "fused", "ahead"),
+    [("100%", False, "auto"), ("25%", False, "off"), ("25%", False, "on"), ("25%", True, "auto")],
+)
+def test_device_token_matches_transformers(checkpoints, references, budget: str, fused: bool, ahead: str) -> None:
+    """`fused`: the layers' attention and router as kernels/decode_layer.py spells them (compiled on CUDA).
+    `ahead`: tokens launched before the host read the one before ("auto": once every expert has a slot; "on" at
+    25%: a miss also discards the token launched after it)."""
     engine = vismmoe_edge.load(checkpoints["v5"], memory_budget=budget, pinned_layers=1, device="cpu", tier="host")
     engine.static_decode = "on"
     engine.device_decode = "on"
     engine.compile_decode = fused
+    engine.decode_ahead = ahead
     assert engine.uses_static_decode() and engine.uses_device_decode()
     for name, ref in references.items():
         sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
@@ -35,7 +41,16 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str,
     (decoder,) = engine._decoders.values()
     assert decoder.on_device and (decoder.fused is not None) == fused
     assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
+    assert decoder.pending is None  # the reply's end discarded the token launched after its last
     tokens = len(references) * (NEW_TOKENS - 1)
+    if ahead == "off" or (ahead == "auto" and budget == "25%"):
+        assert decoder.ran_ahead == decoder.discarded == 0
+    elif ahead == "auto":  # no stop token ends these replies early: only cold misses throw tokens away
+        assert decoder.ran_ahead > 0 and decoder.discarded <= decoder.redone
+    else:  # at 25% every token misses here, so each token launched after one is thrown away
+        assert decoder.discarded > 0
+    if ahead != "off" and not (ahead == "auto" and budget == "25%"):  # all but each reply's first were launched ahead
+        assert decoder.ran_ahead + decoder.discarded == tokens - len(references)
     pipeline = engine.experts.pipeline
     if budget == "25%":  # misses: tokens redone through the per-layer path, and still transformers' tokens
         assert 0 < decoder.redone <= tokens
@@ -46,6 +61,26 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str,
     resident = pipeline.resident_slots()
     assert int((decoder.table.slots >= 0).sum()) == len(resident) > 0
     assert all(int(decoder.table.slots[layer, expert]) == slot for (layer, expert), slot in resident.items())
+
+
+def test_tokens_launched_ahead_change_no_token(checkpoints, references) -> None:
+    """A stop token ends a reply with the next token already launched: it is discarded and the KV position rolled
+    back. Sampled replies draw the same tokens for the same seed as without launching ahead."""
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu", tier="host")
+    engine.static_decode = engine.device_decode = "on"
+    ref = references["one_image"]
+    stop = ref.tokens[3]
+    until_stop = ref.tokens[: ref.tokens.index(stop) + 1]
+    greedy = SamplingConfig(max_new_tokens=NEW_TOKENS, stop_token_ids=[stop])
+    sampled = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=1.0, seed=3)
+    replies = {}
+    for ahead in ("off", "auto"):
+        engine.decode_ahead = ahead
+        replies[ahead] = [engine.generate_from_inputs(ref.inputs, c).token_ids for c in (greedy, sampled, greedy)]
+    (decoder,) = engine._decoders.values()
+    assert replies["off"] == replies["auto"] and replies["auto"][0] == until_stop
+    assert decoder.ran_ahead > 0 and decoder.discarded >= 1  # the token launched after the stop token
+    assert decoder.host_length == int(decoder.cache.lengths[0])
 
 
 def test_device_decode_is_off_where_something_watches_the_routing(checkpoints) -> None:
@@ -98,13 +133,14 @@ def test_device_sampler_greedy_masks_stop_tokens_until_min_new_tokens() -> None:
     sampler = DeviceSampler(5, torch.device("cpu"))
     sampler.set_stops([4])
     logits = torch.tensor([0.0, 1.0, 3.0, 0.5, 9.0])
-    sampler.configure(SamplingConfig(min_new_tokens=2), produced=1)
+    assert sampler.configure(SamplingConfig(min_new_tokens=2))
+    sampler.count_from(1)
     sampler.choose(logits)
     assert int(sampler.token) == 2  # the stop token 4 is masked while fewer than 2 tokens exist
-    sampler.configure(SamplingConfig(min_new_tokens=2), produced=2)
-    sampler.choose(logits)
-    assert int(sampler.token) == 4
-    sampler.configure(SamplingConfig(temperature=1e-9), produced=2)  # a tiny temperature is greedy, not inf
+    assert not sampler.configure(SamplingConfig(min_new_tokens=2))  # the same knobs: nothing rewritten
+    sampler.choose(logits)  # the device counter advanced: 2 tokens exist now
+    assert int(sampler.token) == 4 and int(sampler.produced) == 3
+    assert sampler.configure(SamplingConfig(temperature=1e-9))  # a tiny temperature is greedy, not inf
     assert not sampler.sampling
     sampler.choose(logits)
     assert int(sampler.token) == 4
@@ -114,7 +150,7 @@ def test_device_sampler_draws_from_the_nucleus_in_proportion() -> None:
     sampler = DeviceSampler(4, torch.device("cpu"))
     sampler.seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    sampler.configure(SamplingConfig(temperature=1.0, top_p=0.8), produced=1)  # nucleus: tokens 0 and 1
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=0.8))  # nucleus: tokens 0 and 1
     counts = torch.zeros(4)
     for _ in range(2000):
         sampler.choose(probs.log())
@@ -122,7 +158,7 @@ def test_device_sampler_draws_from_the_nucleus_in_proportion() -> None:
     assert counts[2] == 0 and counts[3] == 0
     share = counts[0] / counts[:2].sum()
     assert abs(share - 0.5 / 0.8) < 0.04  # 0.625, four standard errors ~ 0.043
-    sampler.configure(SamplingConfig(temperature=1.0, top_p=1e-9), produced=1)  # the top token always survives
+    sampler.configure(SamplingConfig(temperature=1.0, top_p=1e-9))  # the top token always survives
     sampler.choose(probs.log())
     assert int(sampler.token) == 0
 

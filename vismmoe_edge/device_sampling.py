@@ -2,8 +2,11 @@
 
 Greedy is an argmax. Sampling draws from the temperature-scaled, top-p-truncated distribution by the
 exponential-race form of the Gumbel-max trick: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
-probability p_i (so no cumulative search, and no `torch.multinomial`, which syncs with the host). The host sets
-its knobs between tokens in pinned scalars copied in by the graph. Logits processors (penalties, JSON constraints)
+probability p_i (so no cumulative search, and no `torch.multinomial`, which syncs with the host). The knobs live
+on the device, set once per request by fill kernels (their values travel as kernel arguments, so no pinned buffer
+can be rewritten under a token still in flight), and the count of tokens produced, which masks the stop tokens
+until `min_new_tokens`, is a device counter each token advances: a token can be launched before the host has
+read the one before it (static_decode.StaticDecoder.token_step). Logits processors (penalties, JSON constraints)
 need the host, so a request that has any keeps the host sampler (sampling.py).
 """
 
@@ -22,21 +25,30 @@ class DeviceSampler:
     """`choose(logits)` writes the next token into `self.token` ([1, 1] long, device); fixed shapes throughout."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
-        on_gpu = device.type == "cuda"
         self.device = device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.knobs = torch.tensor([0.0, 1.0, 0.0], device=device)  # temperature, top_p, mask the stop tokens
-        self.host_knobs = torch.tensor([0.0, 1.0, 0.0], pin_memory=on_gpu)
+        self.knobs = torch.tensor([0.0, 1.0, 0.0], device=device)  # temperature, top_p, min_new_tokens
+        self.produced = torch.zeros(1, dtype=torch.long, device=device)  # tokens of the reply before this one
         self.stops = torch.zeros(vocab, dtype=torch.bool, device=device)  # masked while min_new_tokens is unmet
         self.generator = torch.Generator(device=device)
         self.sampling = False
+        self._knobs: tuple[float, float, float] | None = None
 
-    def configure(self, config: SamplingConfig, produced: int) -> None:
-        """Host side, before a token: this request's knobs (a tiny temperature or top_p means greedy)."""
+    def configure(self, config: SamplingConfig) -> bool:
+        """Host side: this request's knobs (a tiny temperature or top_p means greedy). Returns whether they changed;
+        a change is queued behind every token already launched, so it applies from the next launch on."""
         self.sampling = config.temperature >= MIN_TEMPERATURE
-        top_p = max(config.top_p, 1e-6)
-        mask_stops = float(produced < config.min_new_tokens)
-        self.host_knobs.copy_(torch.tensor([max(config.temperature, MIN_TEMPERATURE), top_p, mask_stops]))
+        knobs = (max(config.temperature, MIN_TEMPERATURE), max(config.top_p, 1e-6), float(config.min_new_tokens))
+        if knobs == self._knobs:
+            return False
+        for i, value in enumerate(knobs):
+            self.knobs[i].fill_(value)
+        self._knobs = knobs
+        return True
+
+    def count_from(self, produced: int) -> None:
+        """Host side: the reply has `produced` tokens before the next one chosen (a fill kernel, stream-ordered)."""
+        self.produced.fill_(produced)
 
     def set_stops(self, stop_token_ids: list[int]) -> None:
         """Host side, once per request (a copy into the buffer the graph reads)."""
@@ -52,8 +64,8 @@ class DeviceSampler:
 
     def choose(self, logits: torch.Tensor) -> None:
         """Device ops only (the graph's tail). Greedy when not sampling; both branches are fixed at capture."""
-        self.knobs.copy_(self.host_knobs, non_blocking=True)
-        logits = logits.float().masked_fill(self.stops & (self.knobs[2] > 0), float("-inf"))
+        logits = logits.float().masked_fill(self.stops & (self.produced < self.knobs[2]), float("-inf"))
+        self.produced += 1
         if not self.sampling:
             self.token.copy_(torch.argmax(logits).view(1, 1))
             return

@@ -29,6 +29,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
+from vismmoe_edge.finite import check_finite
 from vismmoe_edge.models.ops import PrefillOps, visual_features
 from vismmoe_edge.prefix_cache import PrefixCache
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
@@ -103,6 +104,9 @@ class Engine:
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
         # ... with its layers compiled by torch.compile (kernels/decode_layer.py): opt-in, the first token compiles
         self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
+        # ... launching each token before the host reads the one before it: "auto" (once every expert has a slot),
+        # "on" (also where tokens may miss: the CPU tests of the discard path), "off"
+        self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -401,15 +405,16 @@ class Engine:
 
     @torch.inference_mode()
     def device_token(
-        self, token_id: int, state: DecodeState, sampling: SamplingConfig, produced: int
+        self, token_id: int, state: DecodeState, sampling: SamplingConfig, produced: int, *, ahead: bool = False
     ) -> tuple[int, bool]:
-        """One token through every layer and the sampler on the device; returns (next token, logits finite)."""
+        """One token through every layer and the sampler on the device; returns (next token, logits finite).
+        `ahead`: another token will follow unless this one stops the reply (StaticDecoder.token_step)."""
         decoder = state.static
         assert decoder is not None and decoder.on_device
         for observer in self.observers:
             observer.begin_step("decode", 1)
         with self._attention_kernels():
-            token, finite = decoder.token_step(token_id, state.next_position, sampling, produced)
+            token, finite = decoder.token_step(token_id, state.next_position, sampling, produced, ahead=ahead)
         state.next_position += 1
         for observer in self.observers:
             observer.end_step("decode", decoder.host_length - 1)
@@ -487,8 +492,24 @@ class Engine:
         if sampling.max_new_tokens > 1 and token not in stop_ids:
             self.start_decode(state, sampling.max_new_tokens)
         timings.prefill_s = time.perf_counter() - start
-        produced = 1
         yield token
+        try:
+            yield from self._decode_loop(token, state, sampling, sampler, stop_ids, timings, should_stop)
+        finally:
+            if state.static is not None and state.static.on_device:
+                state.static.settle()  # a token launched ahead of a stop: nobody reads it
+
+    def _decode_loop(
+        self,
+        token: int,
+        state: DecodeState,
+        sampling: SamplingConfig,
+        sampler: Sampler,
+        stop_ids: list[int],
+        timings: Timings,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[int]:
+        produced = 1
         decode_start = time.perf_counter()
         while produced < sampling.max_new_tokens and token not in stop_ids:
             if should_stop is not None and should_stop():
@@ -500,7 +521,8 @@ class Engine:
                     decoder.sampler.seed(sampling.seed)
                     decoder.sampler.set_stops(stop_ids)
                 previous = token
-                token, finite = self.device_token(previous, state, sampling, produced)
+                ahead = produced + 1 < sampling.max_new_tokens
+                token, finite = self.device_token(previous, state, sampling, produced, ahead=ahead)
                 if not finite:  # the per-layer replay names the layer
                     self._check_finite(torch.tensor([float("nan")]), f"decode step {produced}",
                                        self._replay_decode, previous, state, position)  # fmt: skip
@@ -514,32 +536,7 @@ class Engine:
             yield token
 
     def _check_finite(self, logits: torch.Tensor, step: str, replay: Callable[..., object], *args: Any) -> None:
-        """Stop on NaN/Inf logits, naming the first decoder layer whose output was not finite. The normal path
-        costs one reduction over the vocabulary (the sampler syncs on the logits anyway); only a failed step is
-        run again, with a check after each layer."""
-        if bool(torch.isfinite(logits).all()):
-            return
-        found: list[int] = []
-
-        def probe(index: int) -> Callable[..., None]:
-            def check(module: object, args: object, output: Any) -> None:
-                out = output[0] if isinstance(output, tuple) else output
-                if not found and not bool(torch.isfinite(out).all()):
-                    found.append(index)
-
-            return check
-
-        handles = [layer.register_forward_hook(probe(i)) for i, layer in enumerate(self.language_model.layers)]
-        try:
-            replay(*args)
-        finally:
-            for handle in handles:
-                handle.remove()
-        where = f"decoder layer {found[0]}" if found else "the final norm or lm_head"
-        raise VismmoeError(
-            f"non-finite logits at {step}: the first non-finite output is {where}'s; the weights or inputs hold "
-            "NaN or Inf (check the checkpoint, or try --dtype float32)"
-        )
+        check_finite(self.language_model, logits, step, replay, *args)
 
     def _replay_decode(self, token: int, state: DecodeState, position: int) -> None:
         state.cache.crop(-1)  # undo the failed step's KV entry, then run it again

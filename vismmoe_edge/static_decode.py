@@ -121,12 +121,28 @@ class MoeBuffers:
 
 @dataclass
 class TokenOutputs:
-    """What one device-side token (`StaticDecoder.token_step`) leaves in pinned memory for the host."""
+    """What one device-side token (`StaticDecoder.token_step`) leaves in pinned memory for the host: views of one
+    packed long buffer, so reading a token back is one copy."""
 
-    token: torch.Tensor  # [1, 1] long: the chosen next token
-    routing: torch.Tensor  # [moe layers, r] long: each MoE layer's routed experts, for the host's bookkeeping
-    missed: torch.Tensor  # [moe layers] bool: the table said absent for one of the layer's experts
-    finite: torch.Tensor  # [1] bool: the logits are all finite
+    token: torch.Tensor  # [1] long: the chosen next token
+    finite: torch.Tensor  # [1]: 1 where the logits are all finite
+    missed: torch.Tensor  # [moe layers]: 1 where the table said absent for one of the layer's experts
+    routing: torch.Tensor  # [moe layers, r]: each MoE layer's routed experts, for the host's bookkeeping
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, layers: int) -> TokenOutputs:
+        return cls(packed[0:1], packed[1:2], packed[2 : 2 + layers], packed[2 + layers :].view(layers, -1))
+
+
+@dataclass
+class Launched:
+    """A device token launched and not yet read back: the output buffer it writes, and what it was given. `token`
+    is None until the token before it is read (it was launched on that token's choice, on the device)."""
+
+    parity: int
+    token: int | None
+    position: int
+    event: torch.cuda.Event | None
 
 
 class StaticDecoder:
@@ -203,6 +219,8 @@ class StaticDecoder:
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync
 
     def start(self, prefill: DynamicCache) -> None:
+        if self.on_device:
+            self.settle()
         self.cache.fill(prefill)
         self.host_length = prefill.layers[0].keys.shape[2]
 
@@ -214,6 +232,9 @@ class StaticDecoder:
             self.hidden.copy_(self.host_row, non_blocking=True)
         else:
             self.hidden.copy_(self.lm.embed_tokens(self.token))
+        self._rotary()
+
+    def _rotary(self) -> None:
         cos, sin = self.engine.ops.rotary(self.lm, self.hidden, self.position)
         if self.cos_sin is None:
             self.cos_sin = (cos.clone(), sin.clone())
@@ -279,19 +300,30 @@ class StaticDecoder:
         self.routing = torch.zeros(len(layers), routed_k, dtype=torch.long, device=self.device)
         self.missed = torch.zeros(len(layers), dtype=torch.bool, device=self.device)
         self.finite = torch.zeros(1, dtype=torch.bool, device=self.device)
-        self.out = TokenOutputs(*(torch.zeros_like(t, device="cpu", pin_memory=on_gpu) for t in (
-            self.sampler.token, self.routing, self.missed, self.finite)))  # fmt: skip
+        self.packed = torch.zeros(2 + len(layers) * (1 + routed_k), dtype=torch.long, device=self.device)
+        # two pinned copies used in turn: a token launched ahead writes one while the host reads the other
+        self.host_packed = [torch.zeros_like(self.packed, device="cpu", pin_memory=on_gpu) for _ in range(2)]
+        self.done = [torch.cuda.Event() for _ in range(2)] if on_gpu else None
+        self.parity = 0
+        self.pending: Launched | None = None  # the token launched ahead, not yet read
+        self.ran_ahead = 0  # tokens launched before the host read the token before them, and used
+        self.discarded = 0  # tokens launched ahead and thrown away (a stop, a miss, other inputs)
         self.replay_index = torch.zeros_like(self.routing)
         self.replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, device=self.device)
-        self.host_replay_index = torch.zeros_like(self.out.routing)
+        self.host_replay_index = torch.zeros(len(layers), routed_k, dtype=torch.long, pin_memory=on_gpu)
         self.host_replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, pin_memory=on_gpu)
-        self.token_done = torch.cuda.Event() if on_gpu else None
         self.redone = 0  # tokens whose table lookup missed and that ran again through the per-layer path
         self.promoted = 0  # experts brought into slots after tokens read them from the host tier
 
     def _token(self) -> None:
-        """Embed, every layer with its experts read through the table, the head, the next token: no host."""
-        self._embed()
+        """Embed, every layer with its experts read through the table, the head, the next token: no host. The
+        token's input is the device's `token` and `position` (the host's fill, or the previous token's choice), and
+        it leaves its own choice there, so the next token can be launched before the host reads this one."""
+        if self.host_row is not None:
+            self.hidden.copy_(self.host_row, non_blocking=True)
+        else:
+            self.hidden.copy_(self.lm.embed_tokens(self.token))
+        self._rotary()
         replay = self.engine.experts.replay is not None
         if replay:
             self.replay_index.copy_(self.host_replay_index, non_blocking=True)
@@ -336,46 +368,121 @@ class StaticDecoder:
         self._tail()
         self.sampler.choose(self.logits)
         self.finite.copy_(torch.isfinite(self.logits).all().view(1))
-        for mine, host in zip((self.sampler.token, self.routing, self.missed, self.finite), vars(self.out).values(),
-                              strict=True):  # fmt: skip
-            host.copy_(mine, non_blocking=True)
+        self.token.copy_(self.sampler.token)
+        self.position += 1
+        parts = (self.sampler.token.view(1), self.finite.long(), self.missed.long(), self.routing.view(-1))
+        self.packed.copy_(torch.cat(parts))
 
     @torch.inference_mode()
-    def token_step(self, token: int, position: int, sampling: SamplingConfig, produced: int) -> tuple[int, bool]:
+    def token_step(
+        self, token: int, position: int, sampling: SamplingConfig, produced: int, *, ahead: bool = False
+    ) -> tuple[int, bool]:
         """One token through every layer and the sampler, as one graph; returns (next token, logits finite).
 
-        The host's one synchronisation is the token's end (it needs the token for the stop check anyway). A miss
-        (the table said absent) discards the token: the KV position is rolled back and the token runs again on
-        the per-layer path, which fetches what it needs; the table is synced before the next token.
+        The host's one synchronisation is the token's end (it needs the token for the stop check anyway). With
+        `ahead` (the caller will want another token after this one) and where no token can miss
+        (`runs_ahead`), the next token is launched on this one's choice before the host waits for this one, so the
+        GPU never idles while the host reads a token back, checks it and launches the next; a stop token, or a
+        caller that feeds something else, discards the token launched ahead (its KV position rolled back).
+
+        A miss (the table said absent) discards the token: the KV position is rolled back and the token runs again
+        on the per-layer path, which fetches what it needs; the table is synced before the next token.
         """
         pipeline = self.engine.experts.pipeline
-        self.table.sync(pipeline)
-        self.sampler.configure(sampling, produced)
-        replay = self.engine.experts.replay
-        if replay is not None:
-            for m, layer in enumerate(self.moe_layers):
-                index, weights = replay.route(layer, 1)
-                self.host_replay_index[m].copy_(index[0])
-                self.host_replay_weights[m].copy_(weights[0].float())
-        self.host_token.fill_(token)
-        self.host_position.fill_(position)
-        self._run("token.sampled" if self.sampler.sampling else "token.greedy", self._token)
-        if self.token_done is not None:
-            self.token_done.record()
-            self.token_done.synchronize()
-        if bool(self.out.missed.any()):
+        if self.sampler.configure(sampling):
+            self.settle()  # the token launched ahead ran with the old knobs
+        current = self._take(token, position)
+        self.ran_ahead += current is not None
+        if current is None:
+            self.table.sync(pipeline)
+            replay = self.engine.experts.replay
+            if replay is not None:
+                for m, layer in enumerate(self.moe_layers):
+                    index, weights = replay.route(layer, 1)
+                    self.host_replay_index[m].copy_(index[0])
+                    self.host_replay_weights[m].copy_(weights[0].float())
+            current = self._launch(token, position, produced)
+        following = self._launch(None, position + 1) if ahead and self.runs_ahead() else None
+        out = self._read(current)
+        if bool(out.missed.any()):
+            if following is not None:
+                self._discard(following)
             self.redone += 1
             self.cache.lengths -= 1  # the token's K/V are rewritten at the same position
             logits = self.step(token, position)  # counts the token in host_length
+            self.sampler.count_from(produced)
             self.sampler.choose(logits)
             finite = bool(torch.isfinite(logits).all())
             return int(self.sampler.token), finite
         self.host_length += 1
         for m, layer in enumerate(self.moe_layers):  # after the fact: the eviction order sees this token's use
-            pipeline.touch(layer, self.out.routing[m].tolist())
+            pipeline.touch(layer, out.routing[m].tolist())
         if self.mapped_experts:  # experts read over the bus move into slots for later tokens
-            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, self.out.routing)
-        return int(self.out.token), bool(self.out.finite)
+            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, out.routing)
+        chosen = int(out.token)
+        if following is not None:
+            following.token = chosen
+            self.pending = following
+        return chosen, bool(out.finite)
+
+    def runs_ahead(self) -> bool:
+        """Whether a token may be launched before the one before it is read: never when the host must act between
+        the two (promotion into slots, replayed routing, an embedding read on the host); under "auto" only when
+        the slot pool holds every expert (a miss, which also discards the token launched after it, then happens
+        only the first time an expert is used)."""
+        mode = self.engine.decode_ahead
+        rt = self.engine.experts
+        if mode == "off" or self.mapped_experts or self.host_row is not None or rt.replay is not None:
+            return False
+        pipeline = rt.pipeline
+        return mode == "on" or len(pipeline.pinned) + pipeline.capacity >= len(self.engine.catalogue.experts)
+
+    def settle(self) -> None:
+        """Discard the token launched ahead, if any (a new request, other knobs, the end of a reply)."""
+        if self.pending is not None:
+            self._discard(self.pending)
+            self.pending = None
+
+    def _take(self, token: int, position: int) -> Launched | None:
+        """The token launched ahead if it was given these inputs; otherwise it is discarded."""
+        launched, self.pending = self.pending, None
+        if launched is not None and (launched.token, launched.position) == (token, position):
+            return launched
+        if launched is not None:
+            self._discard(launched)
+        return None
+
+    def _launch(self, token: int | None, position: int, produced: int | None = None) -> Launched:
+        """Queue one device token. A `token` from the host is filled in by kernels whose arguments carry the
+        values (so no pinned buffer a token in flight reads is rewritten); None runs on the device's last choice."""
+        if token is not None:
+            self.token.fill_(token)
+            self.position.fill_(position)
+            assert produced is not None
+            self.sampler.count_from(produced)
+            if self.host_row is not None:  # nothing is in flight: runs_ahead is off with host rows
+                self.host_row.copy_(self.lm.embed_tokens.host_rows(torch.tensor([[token]])))
+        self._run("token.sampled" if self.sampler.sampling else "token.greedy", self._token)
+        parity, self.parity = self.parity, 1 - self.parity
+        self.host_packed[parity].copy_(self.packed, non_blocking=True)
+        event = None
+        if self.done is not None:
+            event = self.done[parity]
+            event.record()
+        return Launched(parity, token, position, event)
+
+    def _read(self, launched: Launched) -> TokenOutputs:
+        if launched.event is not None:
+            launched.event.synchronize()
+        return TokenOutputs.of(self.host_packed[launched.parity], len(self.moe_layers))
+
+    def _discard(self, launched: Launched) -> None:
+        """Wait for a token nobody will read, and roll back the KV position it wrote (its device inputs are
+        filled anew by the next launch from the host)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        self.cache.lengths -= 1
+        self.discarded += 1
 
     # ---- running them -----------------------------------------------------------------------------------------
     def _run(self, name: str, fn: Callable[..., None], *args: Any) -> None:
@@ -398,9 +505,9 @@ class StaticDecoder:
     def _capture(self, fn: Callable[..., None], *args: Any) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (allocator, library handles), undo what the warm-up wrote, then capture. A
         capture records kernels without running them: the caller replays the graph once to run it."""
-        state = [self.hidden, self.normed, self.cache.lengths]
+        state = [self.hidden, self.normed, self.cache.lengths, self.token, self.position]
         if self.on_device:
-            state.append(self.sampler.token)
+            state += [self.sampler.token, self.sampler.produced, self.packed]
         saved = [t.clone() for t in state]
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

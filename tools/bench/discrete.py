@@ -229,7 +229,7 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool = False,
-              compiled: bool = False) -> dict:  # fmt: skip
+              compiled: bool = False, ahead: str = "auto") -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -240,6 +240,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.device_decode = device_decode  # the whole token on the device: its routing reaches no route hook
     engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
     engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
+    engine.decode_ahead = ahead  # ... each token launched before the host reads the one before it
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -294,6 +295,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "expert_bytes": engine.catalogue.expert_bytes,
         "device_decode": bool(decoders),
         "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
+        "tokens_ran_ahead": sum(d.ran_ahead for d in decoders),  # launched before the one before was read
+        "tokens_discarded": sum(d.discarded for d in decoders),  # launched ahead, thrown away
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
     }
@@ -471,7 +474,9 @@ def main() -> None:
     ap.add_argument("--predictor-file", type=Path, help="a learned predictor (.onnx) for the replayed trace")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
-                    "device-resident, device-resident-compiled, device-popularity, device-mapped, unified-slots, "
+                    "device-resident, device-resident-compiled, "
+                    "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
+                    "unified-slots, "
                     "unified-registered, "
                     "device-unified-slots, hf-static, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
@@ -513,7 +518,7 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        if wanted & {"all-resident", "device-resident", "device-resident-compiled"}:
+        if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped"}
         if wanted & budget_rows:
@@ -536,6 +541,8 @@ def main() -> None:
                 ("budget", "graphs-off", {"graphs": False}),
                 ("all-resident", "device-resident", {"device_decode": "auto"}),
                 ("all-resident", "device-resident-compiled", {"device_decode": "auto", "compiled": True}),
+                ("all-resident", "device-resident-compiled-serial",
+                 {"device_decode": "auto", "compiled": True, "ahead": "off"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
             ]
@@ -572,6 +579,7 @@ def main() -> None:
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"
                 engines["all-resident"].compile_decode = False
+                engines["all-resident"].decode_ahead = "auto"
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)

@@ -16,8 +16,9 @@
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
-#                                                 equivalence checks and host syncs, the one-MoE-layer timing,
-#                                                 then discrete.py resident: device path eager and compiled against
+#                                                 equivalence checks and host syncs, the one-MoE-layer and
+#                                                 attention timings, then discrete.py resident: device path eager,
+#                                                 compiled, and compiled without launching ahead, against
 #                                                 transformers' static cache, with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
@@ -64,7 +65,8 @@ compiled)
     timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
     timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --repeats 2 --strategies device-resident,device-resident-compiled --routings sampled --skip-baselines \
+        --repeats 2 --strategies device-resident,device-resident-compiled,device-resident-compiled-serial \
+        --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"
     timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
