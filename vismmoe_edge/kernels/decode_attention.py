@@ -90,9 +90,10 @@ def _decode_attention(
     s = torch.empty(heads, splits, dtype=torch.float32, device=q.device)
     acc = torch.empty(heads, splits, d, dtype=torch.float32, device=q.device)
     out = torch.empty(1, heads, 1, d, dtype=q.dtype, device=q.device)
+    rows = max(MIN_ROWS, 1 << (group - 1).bit_length())
     wrap_triton(_split_kernel)[(kv_heads, splits)](
         q.contiguous(), keys, values, length, m, s, acc, scale * math.log2(math.e), capacity, split, GROUP=group,
-        BLOCK_M=max(MIN_ROWS, 1 << (group - 1).bit_length()), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32 or INTERPRET,
+        BLOCK_M=rows, BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32 or INTERPRET,
     )  # fmt: skip
     wrap_triton(_combine_kernel)[(heads,)](m, s, acc, out, splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=d)
     return out
