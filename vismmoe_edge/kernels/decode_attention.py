@@ -92,8 +92,8 @@ def _decode_attention(
     out = torch.empty(1, heads, 1, d, dtype=q.dtype, device=q.device)
     rows = max(MIN_ROWS, 1 << (group - 1).bit_length())
     wrap_triton(_split_kernel)[(kv_heads, splits)](
-        q.contiguous(), keys, values, length, m, s, acc, scale * math.log2(math.e), capacity, split, GROUP=group,
-        BLOCK_M=rows, BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32 or INTERPRET,
+        q.contiguous(), keys, values, length, m, s, acc, capacity, split, SCALE_LOG2=scale * math.log2(math.e),
+        GROUP=group, BLOCK_M=rows, BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32 or INTERPRET,
     )  # fmt: skip
     wrap_triton(_combine_kernel)[(heads,)](m, s, acc, out, splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=d)
     return out
@@ -117,9 +117,11 @@ if HAS_TRITON:
 
     # fmt: off
     @triton.jit
-    def _split_kernel(q, k, v, length, m_out, s_out, acc_out, scale_log2, capacity, split, GROUP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    def _split_kernel(q, k, v, length, m_out, s_out, acc_out, capacity, split, SCALE_LOG2: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      IEEE: tl.constexpr):
         # fmt: on
+        # (the scale is a constant: inductor would pass a float argument as fp64, and the math would follow)
         kv = tl.program_id(0)
         sp = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -142,7 +144,7 @@ if HAS_TRITON:
                 qk = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
                 qk = tl.dot(qt, tl.trans(kt))
-            qk = tl.where(visible[None, :], qk * scale_log2, float("-inf"))  # log2 units: exp2 below
+            qk = tl.where(visible[None, :], qk * SCALE_LOG2, float("-inf"))  # log2 units: exp2 below
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
