@@ -12,6 +12,10 @@ programs share the cache's bytes:
    flash attention does, and writes its partial max, sum and accumulator in float32;
 2. `_combine_kernel`: one program per query head rescales the splits' partials to their common max and sums.
 
+Measured on an H200 (tools/device/decode_checks.py, one layer in a CUDA graph, length capacity // 2): 7.0 us
+against 23.7 us for the compiled SDPA path at capacity 1536, 7.9 us against 50.4 us at 4096; max abs error
+against SDPA 1e-3 (bf16). The K/V bytes bound is 0.4 / 1.0 us: what is left is two launches' latency.
+
 `decode_attention` is a `torch.library.triton_op`, so torch.compile(fullgraph=True) traces through it and
 inductor calls the two kernels inside the compiled graph (kernels/decode_layer.py uses it there).
 `decode_attention_reference` is the same contract in plain float32 torch, for the tests.
