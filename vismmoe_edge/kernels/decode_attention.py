@@ -14,7 +14,8 @@ programs share the cache's bytes:
 
 Measured on an H200 (tools/device/decode_checks.py, one layer in a CUDA graph, length capacity // 2): 7.0 us
 against 23.7 us for the compiled SDPA path at capacity 1536, 7.9 us against 50.4 us at 4096; max abs error
-against SDPA 1e-3 (bf16). The K/V bytes bound is 0.4 / 1.0 us: what is left is two launches' latency.
+against SDPA 1e-3 (bf16). The K/V byte bound is 0.4 / 1.0 us; the rest is likely the two kernels' fixed
+latency (not profiled).
 
 `decode_attention` is a `torch.library.triton_op`, so torch.compile(fullgraph=True) traces through it and
 inductor calls the two kernels inside the compiled graph (kernels/decode_layer.py uses it there).
