@@ -6,7 +6,9 @@
   redo a token), under the near-tie rule of tests/hf_reference.py (both numbers reported);
 - host syncs: CUDA runtime synchronisations per resident device token (torch.profiler), bound <= 2;
 - one MoE layer at 30B-A3B shapes (H 2048, I 768, k 8, bf16) in a graph: the fused Triton GEMV and the torch
-  path, against the byte bound at the HBM bandwidth a large copy reaches.
+  path, against the byte bound at the HBM bandwidth a large copy reaches;
+- one layer's attention at 30B-A3B shapes (32/4 heads, d 128, bf16, capacities 1536 and 4096) in a graph: the
+  split-KV Triton kernel (kernels/decode_attention.py) against the compiled SDPA path it replaced.
     python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
 `--compile`: the equivalence checks with each layer's attention and router compiled (kernels/decode_layer.py),
 and the host syncs of the compiled token.
@@ -136,6 +138,74 @@ def host_syncs(tmp: Path, images: list[Path]) -> dict:
             "tokens_redone": redone}  # fmt: skip
 
 
+def timed(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
+    """Mean microseconds of `reps` back-to-back calls, between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def in_graph(fn):  # type: ignore[no-untyped-def]
+    """`fn` captured in a CUDA graph (after one warm call); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def attention_layer() -> dict:
+    """One layer's attention of the compiled decode token at 30B-A3B shapes (32 query heads, 4 KV heads, d 128,
+    bf16), capacities 1536 and 4096 at length capacity // 2, in a graph: the split-KV kernel
+    (kernels/decode_attention.py) against the compiled path it replaced (K/V repeated per group, SDPA with the
+    additive mask), and the byte bound of the visible K/V at the HBM bandwidth. Error against eager SDPA."""
+    from vismmoe_edge.kernels.moe_decode import HAS_TRITON
+
+    if not HAS_TRITON:
+        return {"ok": True, "skipped": "no Triton"}
+    hbm = hbm_bandwidth(timed)
+    out: dict = {"hbm_gb_s": hbm / 1e9}
+    for capacity in (1536, 4096):
+        out[f"capacity_{capacity}"] = attention_at(capacity, hbm)
+    return {"ok": all([r.pop("ok") for r in out.values() if isinstance(r, dict)]), **out}
+
+
+def attention_at(capacity: int, hbm: float) -> dict:
+    from vismmoe_edge.kernels.decode_attention import decode_attention, num_splits
+
+    heads, kv_heads, d, dtype = 32, 4, 128, torch.bfloat16
+    groups, scale = heads // kv_heads, d**-0.5
+    q = torch.randn(1, heads, 1, d, device="cuda", dtype=dtype)
+    keys, values = (torch.randn(1, kv_heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2))
+    length = torch.tensor([capacity // 2], device="cuda")
+    positions = torch.arange(capacity, device="cuda")
+
+    def sdpa_path(q, keys, values, length):  # type: ignore[no-untyped-def]  # decode_layer's, before the kernel
+        mask = torch.zeros(capacity, dtype=dtype, device="cuda").masked_fill(positions > length,
+                                                                             torch.finfo(dtype).min)  # fmt: skip
+        kk = keys[:, :, None].expand(1, kv_heads, groups, capacity, d).reshape(1, heads, -1, d)
+        vv = values[:, :, None].expand(1, kv_heads, groups, capacity, d).reshape(1, heads, -1, d)
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask.view(1, 1, 1, -1), scale=scale)
+
+    compiled_sdpa = torch.compile(sdpa_path, dynamic=False, fullgraph=True)
+    compiled_kernel = torch.compile(lambda *a: decode_attention(*a, scale), dynamic=False, fullgraph=True)
+    args = (q, keys, values, length)
+    ref = sdpa_path(*args).float()
+    err = max(float((decode_attention(*args, scale).float() - ref).abs().max()),
+              float((compiled_kernel(*args).float() - ref).abs().max()))  # fmt: skip
+    kernel_us = timed(in_graph(lambda: compiled_kernel(*args)))
+    sdpa_us = timed(in_graph(lambda: compiled_sdpa(*args)))
+    bound_us = 2 * kv_heads * (capacity // 2 + 1) * d * keys.element_size() / hbm * 1e6
+    return {"ok": err < 2e-2 and kernel_us < sdpa_us, "splits": num_splits(capacity, kv_heads),
+            "kernel_us": kernel_us, "compiled_sdpa_us": sdpa_us, "kv_byte_bound_us": bound_us,
+            "max_abs_error": err}  # fmt: skip
+
+
 def hbm_bandwidth(timed) -> float:  # type: ignore[no-untyped-def]
     """Bytes per second a 2 GiB device-to-device copy moves (each byte read and written)."""
     buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
@@ -154,24 +224,7 @@ def moe_layer() -> dict:
     sel = torch.randperm(slots, device="cuda")[:k].view(1, k)
     w = torch.softmax(torch.randn(1, k, device="cuda"), -1)
 
-    def timed(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / reps * 1e3  # microseconds
-
     hbm = hbm_bandwidth(timed)
-
-    def in_graph(fn):  # type: ignore[no-untyped-def]
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay
 
     fused = lambda: md.fused_decode(x, sel, w, gate_up, down, F.silu)  # noqa: E731
     torch_path = lambda: decode_experts(x, sel, w, gate_up, down, F.silu)  # noqa: E731
@@ -272,26 +325,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--compile", action="store_true", help="the device token's layers compiled (torch.compile)")
-    ap.add_argument("--skip-layer", action="store_true", help="skip the one-MoE-layer timing")
+    ap.add_argument("--skip-layer", action="store_true", help="skip the one-layer timings (MoE, attention)")
+    ap.add_argument("--only-layer", action="store_true", help="only the one-layer timings")
     args = ap.parse_args(argv)
     global DEVICE, COMPILE
     DEVICE, COMPILE = args.device, args.compile
     from igpu_checks import make_images
 
     checks = Checks()
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        images = make_images(tmp)
-        for dtype in (torch.bfloat16,) if COMPILE else (torch.float32, torch.bfloat16):
-            for budget in ("100%", "25%"):
-                checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
-                    tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
-        if not COMPILE:
-            checks.run("equivalence bf16 25% read in place from the host tier",
-                       lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
-        checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
+    if not args.only_layer:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            images = make_images(tmp)
+            for dtype in (torch.bfloat16,) if COMPILE else (torch.float32, torch.bfloat16):
+                for budget in ("100%", "25%"):
+                    checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
+                        tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
+            if not COMPILE:
+                checks.run("equivalence bf16 25% read in place from the host tier",
+                           lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
+            checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
     if not args.skip_layer:
         checks.run("one MoE layer against its byte bound", moe_layer)
+        checks.run("one layer's attention: split-KV kernel against compiled SDPA", attention_layer)
     args.out.write_text(json.dumps(checks.results, indent=1))
     return 0 if all(r["status"] != "fail" for r in checks.results) else 1
 
