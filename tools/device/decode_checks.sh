@@ -60,12 +60,13 @@ checks|suite)
     ;;
 compiled)
     echo "== decode checks with compiled layers (equivalence under the near-tie rule, host syncs), one MoE layer"
-    timeout 150 python3 tools/device/decode_checks.py --compile --out "$OUT/decode_checks_compiled.json" 2>&1 \
+    LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
+    timeout 150 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
         | grep "^\[" | tail -20
     timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
     timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --repeats 2 --strategies device-resident,device-resident-compiled,device-resident-compiled-serial \
+        --repeats "${REPEATS:-2}" --strategies device-resident,device-resident-compiled,device-resident-compiled-serial \
         --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"
