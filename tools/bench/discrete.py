@@ -164,7 +164,9 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int, *, static: bo
     column; the DynamicCache row is kept beside it."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    # DynamicCache: cuDNN's SDPA builds a graph for every KV length (~30 ms a step on an H200, engine.py), so its
+    # best is without it; a static cache has one KV length, and runs with torch's own choice of SDPA kernel
+    torch.backends.cuda.enable_cudnn_sdp(static)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
     if static:
         model.generation_config.cache_implementation = "static"
@@ -260,9 +262,12 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     sync()
     start = time.perf_counter()
     sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=seed)
+    before = {id(d): (d.ran_ahead, d.discarded) for d in engine._decoders.values() if getattr(d, "on_device", False)}
+    # no sync per token: a token reaches the host only once read back from the GPU anyway, and a sync here would
+    # also wait for the token launched ahead of it (StaticDecoder.token_step), hiding what launching ahead saves
     for _ in engine.stream(inputs, sampling):
-        sync()
         times.append(time.perf_counter())
+    sync()
     if device_decode == "off":
         engine.experts.route_hooks.remove(record)
     decoders = [d for d in engine._decoders.values() if getattr(d, "on_device", False)]
@@ -294,9 +299,11 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "routes": routes,
         "expert_bytes": engine.catalogue.expert_bytes,
         "device_decode": bool(decoders),
-        "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer
-        "tokens_ran_ahead": sum(d.ran_ahead for d in decoders),  # launched before the one before was read
-        "tokens_discarded": sum(d.discarded for d in decoders),  # launched ahead, thrown away
+        "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer (all
+        # trials of this engine so far)
+        # this trial's tokens launched before the one before was read, and those thrown away
+        "tokens_ran_ahead": sum(d.ran_ahead - before.get(id(d), (0, 0))[0] for d in decoders),
+        "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0))[1] for d in decoders),
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
     }
