@@ -158,15 +158,18 @@ def run_accelerate(model_dir: Path, image: Path, gpu_gib: float, new_tokens: int
     }
 
 
-def run_hf_resident(model_dir: Path, image: Path, new_tokens: int, *, static: bool = False) -> dict:
+def run_hf_resident(
+    model_dir: Path, image: Path, new_tokens: int, *, static: bool = False, cudnn: bool | None = None
+) -> dict:
     """transformers' own model with every weight on the GPU: the ceiling any offloading runtime aims at. `static`:
     generation_config.cache_implementation = "static" (generate then compiles the decode step): the reference
-    column; the DynamicCache row is kept beside it."""
+    column; the DynamicCache row is kept beside it. `cudnn`: whether SDPA may take cuDNN's kernel (default: with a
+    static cache only); the static cache is measured both ways, and the faster is the reference."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     # DynamicCache: cuDNN's SDPA builds a graph for every KV length (~30 ms a step on an H200, engine.py), so its
     # best is without it; a static cache has one KV length, and runs with torch's own choice of SDPA kernel
-    torch.backends.cuda.enable_cudnn_sdp(static)
+    torch.backends.cuda.enable_cudnn_sdp(static if cudnn is None else cudnn)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
     if static:
         model.generation_config.cache_implementation = "static"
@@ -177,7 +180,7 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int, *, static: bo
         prefills.append(prefill_s)
         rates.append(1 / statistics.median(steps))
     return {
-        "strategy": "hf-static-cache" if static else "hf-all-resident",
+        "strategy": ("hf-static-cache" if static else "hf-all-resident") + ("-no-cudnn" if cudnn is False else ""),
         "routing": "sampled",
         "prefill_s": statistics.median(prefills),
         "decode_tokens_per_s": statistics.median(rates),
@@ -187,7 +190,7 @@ def run_hf_resident(model_dir: Path, image: Path, new_tokens: int, *, static: bo
 
 
 UNIFIED = ("unified-slots", "unified-registered")
-BASELINES = ("hf-static", "hf-resident", "accelerate")
+BASELINES = ("hf-static", "hf-static-no-cudnn", "hf-resident", "accelerate")
 
 
 def load_engine(
@@ -485,12 +488,12 @@ def main() -> None:
                     "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
                     "unified-slots, "
                     "unified-registered, "
-                    "device-unified-slots, hf-static, "
+                    "device-unified-slots, hf-static, hf-static-no-cudnn, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
     ap.add_argument("--routings", default="sampled,trace-replay")
     ap.add_argument("--compile-device-rows", action="store_true",
                     help="every device-* row with its layers compiled (engine.compile_decode)")
-    ap.add_argument("--worker", choices=["accelerate", "hf-resident", "hf-static"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=list(BASELINES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.strategies_given = args.strategies is not None
     if args.strategies is None:
@@ -502,8 +505,9 @@ def main() -> None:
     if args.worker == "accelerate":  # runs in its own process so that its host copy of the model goes away
         print(json.dumps(run_accelerate(model_dir, image, args.gpu_gib, args.accelerate_tokens)))
         return
-    if args.worker in ("hf-resident", "hf-static"):
-        print(json.dumps(run_hf_resident(model_dir, image, args.new_tokens, static=args.worker == "hf-static")))
+    if args.worker in ("hf-resident", "hf-static", "hf-static-no-cudnn"):
+        static, cudnn = args.worker != "hf-resident", False if args.worker == "hf-static-no-cudnn" else None
+        print(json.dumps(run_hf_resident(model_dir, image, args.new_tokens, static=static, cudnn=cudnn)))
         return
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

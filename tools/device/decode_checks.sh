@@ -71,7 +71,7 @@ compiled)
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"
     timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --baselines-only --strategies hf-static --json "$OUT/discrete-compiled-baseline.json" 2>&1 \
+        --baselines-only --strategies hf-static,hf-static-no-cudnn --json "$OUT/discrete-compiled-baseline.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -8
     ;;
 sanitizer|racecheck)
@@ -93,7 +93,7 @@ baselines)
     timeout $(( $(left) - 200 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== transformers every weight on the GPU: static cache (the reference), DynamicCache"
     timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --baselines-only --strategies hf-static,hf-resident --json "$OUT/discrete-baselines.json" 2>&1 \
+        --baselines-only --strategies hf-static,hf-static-no-cudnn,hf-resident --json "$OUT/discrete-baselines.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -20
     ;;
 bench|bench-int4)
