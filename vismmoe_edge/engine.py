@@ -30,6 +30,7 @@ from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
+from vismmoe_edge.kernels.moe_decode import HAS_TRITON
 from vismmoe_edge.models.ops import PrefillOps, visual_features
 from vismmoe_edge.prefix_cache import PrefixCache
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
@@ -102,8 +103,10 @@ class Engine:
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
-        # ... with its layers compiled by torch.compile (kernels/decode_layer.py): opt-in, the first token compiles
-        self.compile_decode = os.environ.get("VISMMOE_COMPILE_DECODE", "0") == "1"
+        # ... with its layers compiled by torch.compile (kernels/decode_layer.py): "auto" (CUDA with Triton; the
+        # first token of each KV capacity compiles, ~1-3 s on an H200), True, False (VISMMOE_COMPILE_DECODE=1/0)
+        compile_env = os.environ.get("VISMMOE_COMPILE_DECODE", "")
+        self.compile_decode: bool | str = {"1": True, "0": False}.get(compile_env, "auto")
         # ... launching each token before the host reads the one before it: "auto" (once every expert has a slot),
         # "on" (also where tokens may miss: the CPU tests of the discard path), "off"
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
@@ -372,7 +375,8 @@ class Engine:
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
         mapped = on_device and self.device_decode_mapped
-        fused = on_device and self.compile_decode
+        fused = on_device and (self.device.type == "cuda" and HAS_TRITON if self.compile_decode == "auto" else
+                               bool(self.compile_decode))  # fmt: skip
         key = (capacity, routed_k, on_device, mapped, fused)
         decoder = self._decoders.get(key)
         if decoder is None:

@@ -5,8 +5,8 @@ router, and (once the host knows where the routed experts sit) the experts from 
 captured once as a `torch.cuda.CUDAGraph` and replayed, so a layer costs the host two graph launches instead
 of ~70 kernel launches. The host still learns each MoE layer's routed experts, because it decides what to
 fetch: one asynchronous copy of the top-k ids into pinned memory and one event per layer are the step's only
-synchronisations. No compiler is involved by default (torch.compile needs Triton, which JetPack's torch may
-lack); `engine.compile_decode` compiles the device token's attention and router (kernels/decode_layer.py).
+synchronisations. The per-layer path involves no compiler; on CUDA with Triton (which JetPack's torch may lack)
+`engine.compile_decode` ("auto") compiles the device token's attention and router (kernels/decode_layer.py).
 
 The layers are transformers' own modules: attention is the model's attention module writing through
 `StaticCache.update`, so numerics match the eager path. The decoder layer's body (norm, attention, residual,

@@ -4,7 +4,7 @@ torch.compile can fuse.
 Eager, `attend` and `route` are transformers' own computation op for op (RMSNorm, q/k norms, rotary, the K/V
 write, SDPA as transformers' sdpa integration calls it for one query, o_proj, the post-attention norm; the
 router's softmax, top-k and renormalisation): tests/test_decode_layer.py checks them bit for bit on the CPU.
-Compiled (`FusedLayers(compile=True)`, CUDA, opt-in through `engine.compile_decode`), inductor fuses the ~60
+Compiled (`FusedLayers(compile=True)`, CUDA with Triton, `engine.compile_decode` "auto"), inductor fuses the ~60
 small kernels of a layer's norms, rotary, mask and router into a handful; the token graph of
 static_decode.StaticDecoder captures the compiled kernels like any others. One compiled function serves every
 layer: the weights are arguments, not constants, so 48 layers compile once (per KV capacity).
