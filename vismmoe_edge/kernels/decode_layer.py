@@ -13,7 +13,9 @@ Compiled on CUDA with Triton, the attention itself is kernels/decode_attention.p
 kernel. transformers' compiled sdpa path (K/V repeated per group, then SDPA with an additive mask over the
 whole capacity, still what a compile without Triton or CUDA runs) was the costliest kernel of the token on an
 H200 at 30B-A3B shapes: the mem-efficient SDPA kernel 61 us per layer (one query at batch 1 gives it too few
-programs for ~3 MB of K/V, <1 us at HBM speed), plus ~10 us per layer writing the repeated K/V.
+programs for ~3 MB of K/V, <1 us at HBM speed), plus ~10 us per layer writing the repeated K/V. Likewise the
+router's softmax, top-k and renormalisation are one Triton program (kernels/decode_router.py) instead of
+torch.topk's two kernels (8.5 us a layer).
 
 Compiled kernels may round differently from eager ones (inductor keeps a fused norm in float32 where eager
 rounds to bf16 between ops), so a compiled decode is checked on the GPU under the near-tie rule
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from vismmoe_edge.kernels.decode_attention import decode_attention
+from vismmoe_edge.kernels.decode_router import route_topk
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, lookup
 
 
@@ -135,6 +138,9 @@ def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
         """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
         transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table."""
         logits = F.linear(x, weight)
+        if torch.compiler.is_compiling() and logits.is_cuda and HAS_TRITON:  # one program (decode_router.py)
+            index, top = route_topk(logits, top_k)
+            return index, top, *lookup(index, table_row)
         top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
         return index, top.to(logits.dtype), *lookup(index, table_row)
