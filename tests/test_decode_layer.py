@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3VLMoeForConditionalGeneration
 
-from vismmoe_edge.kernels.decode_layer import FusedLayers, supports
+from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_qkv, supports
 from vismmoe_edge.static_decode import StaticCache
 
 
@@ -84,3 +84,27 @@ def test_a_compiler_failure_runs_the_layers_eagerly(checkpoints, monkeypatch: py
         experts = lm.layers[0].mlp.gate.num_experts
         index, *_ = fused.route(0, normed.view(1, -1), torch.zeros(experts, dtype=torch.int32))  # the eager router
     assert index.shape == (1, lm.layers[0].mlp.gate.top_k)
+
+
+def test_stacked_qkv_holds_no_byte_twice(checkpoints) -> None:
+    """Compiled, a layer's q, k and v projections are one GEMV: the modules' weights become views of the stacked
+    tensor (the same values; on the CPU even a copy of a weight read from its shard may round a GEMV differently,
+    which is why only the compiled CUDA path stacks), and a second decoder reuses it."""
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"]).eval()
+    lm = model.model.language_model
+    a = lm.layers[0].self_attn
+    before = [p.weight.detach().clone() for p in (a.q_proj, a.k_proj, a.v_proj)]
+    x = torch.randn(1, 1, lm.config.hidden_size)
+    with torch.no_grad():
+        outputs = [p(x) for p in (a.q_proj, a.k_proj, a.v_proj)]
+    stacked = stack_qkv(a)
+    assert stacked.shape[0] == sum(w.shape[0] for w in before)
+    for p, w in zip((a.q_proj, a.k_proj, a.v_proj), before, strict=True):
+        assert (
+            torch.equal(p.weight, w) and p.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        )
+    assert stack_qkv(a) is stacked  # another decoder (another KV capacity) takes the same tensor
+    with torch.no_grad():  # the stacked GEMV is the three GEMVs up to rounding (on the CPU not always bit for bit)
+        q, k, v = torch.nn.functional.linear(x, stacked).split([o.shape[-1] for o in outputs], dim=-1)
+    for mine, theirs in zip((q, k, v), outputs, strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-6)

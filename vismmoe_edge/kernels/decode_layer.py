@@ -106,9 +106,13 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         """Returns the post-attention norm of the updated residual, [1, 1, H]."""
         hidden.add_(experts.sum(0).to(hidden.dtype).view_as(hidden))
         h = rms_norm(hidden, ln1, shape.eps)
-        q = rms_norm(F.linear(h, q_w).view(1, 1, heads, d), q_norm, shape.eps).transpose(1, 2)
-        k = rms_norm(F.linear(h, k_w).view(1, 1, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
-        v = F.linear(h, v_w).view(1, 1, kv_heads, d).transpose(1, 2)
+        if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (FusedLayers), one GEMV
+            q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        else:
+            q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
+        q = rms_norm(q.view(1, 1, heads, d), q_norm, shape.eps).transpose(1, 2)
+        k = rms_norm(k.view(1, 1, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
+        v = v.view(1, 1, kv_heads, d).transpose(1, 2)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q * c) + (rotate_half(q) * s)
         k = (k * c) + (rotate_half(k) * s)
@@ -148,6 +152,23 @@ def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
     return route
 
 
+def stack_qkv(attention: Any) -> torch.Tensor:
+    """The q, k and v projections' weights as one tensor, which the modules' weights become views of (so no byte
+    is held twice): at batch 1 the k and v GEMVs (0.5 MB each at 30B-A3B shapes) cost a kernel launch each, more
+    than their bytes. Compiled only: on the CPU a GEMV of the stacked weight may round unlike three separate ones."""
+    stacked = getattr(attention, "stacked_qkv", None)
+    if stacked is not None:  # an earlier decoder (another KV capacity) stacked them already
+        return stacked
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    stacked = attention.stacked_qkv = torch.cat([p.weight.data for p in projections])
+    start = 0
+    for p in projections:
+        rows = p.weight.shape[0]
+        p.weight.data = stacked[start : start + rows]
+        start += rows
+    return stacked
+
+
 def supports(language_model: Any, moe_layers: set[int]) -> bool:
     """Every layer a Qwen3-VL-MoE MoE layer with plain bias-free linears (quantized dense weights keep the
     modules' own forward) under transformers' sdpa attention."""
@@ -174,6 +195,9 @@ class FusedLayers:
         self.shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, a.head_dim, a.scaling,
                                     first.input_layernorm.variance_epsilon, first.mlp.gate.top_k)  # fmt: skip
         self.tensors = [LayerTensors.of(layer) for layer in language_model.layers]
+        if compile:
+            for layer, t in zip(language_model.layers, self.tensors, strict=True):
+                t.q = stack_qkv(layer.self_attn)
         self.eager = (make_attend(self.shape), make_route(self.shape.top_k), lookup)
         self.compiled = compile
         self.fns = self.eager
