@@ -103,10 +103,8 @@ class Engine:
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
         # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
-        # ... with its layers compiled by torch.compile (kernels/decode_layer.py): "auto" (CUDA with Triton; the
-        # first token of each KV capacity compiles, ~1-3 s on an H200), True, False (VISMMOE_COMPILE_DECODE=1/0)
-        compile_env = os.environ.get("VISMMOE_COMPILE_DECODE", "")
-        self.compile_decode: bool | str = {"1": True, "0": False}.get(compile_env, "auto")
+        # ... its layers compiled (kernels/decode_layer.py): "auto" (CUDA with Triton), True or "1", False or "0"
+        self.compile_decode: bool | str = os.environ.get("VISMMOE_COMPILE_DECODE", "auto")
         # ... launching each token before the host reads the one before it: "auto" (once every expert has a slot),
         # "on" (also where tokens may miss: the CPU tests of the discard path), "off"
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
@@ -120,6 +118,8 @@ class Engine:
         rt = self.experts
         if rt.predictor_worker is not None:
             rt.predictor_worker.close()
+        for decoder in self._decoders.values():  # a token still in flight may read the slots
+            decoder.settle() if decoder.on_device else None
         rt.pipeline.close()
         self._decoders.clear()
         if self.prefix_cache is not None:
@@ -375,8 +375,8 @@ class Engine:
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
         mapped = on_device and self.device_decode_mapped
-        fused = on_device and (self.device.type == "cuda" and HAS_TRITON if self.compile_decode == "auto" else
-                               bool(self.compile_decode))  # fmt: skip
+        auto = self.compile_decode == "auto" and self.device.type == "cuda" and HAS_TRITON
+        fused = on_device and (self.compile_decode in (True, "1") or auto)
         key = (capacity, routed_k, on_device, mapped, fused)
         decoder = self._decoders.get(key)
         if decoder is None:
