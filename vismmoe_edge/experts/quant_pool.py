@@ -8,7 +8,8 @@ that keeps such a tensor (host slots, GPU slots, slots in pinned memory a GPU re
   pairs of GEMVs it is). int8 under the "dequantize" path dequantizes the k gathered experts at once and runs
   two batched GEMMs instead. On the CPU the experts are read where they are (no gather copy).
 - prefill (many tokens): tokens sorted by slot, then each slot in use computes its tokens as one GEMM through
-  the same kernels.
+  the same kernels (int4 slots in the Triton decode form, row-major nibbles on CUDA: dequantized to the compute
+  dtype, then F.linear).
 """
 
 from __future__ import annotations
@@ -74,7 +75,13 @@ def prefill_quantized(
 def pool_forward(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act
 ) -> torch.Tensor:
-    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise."""
+    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise. A pool of
+    int4 slots in the Triton form (quant_slots.triton_int4_slots) decodes through the Triton GEMV on the
+    per-layer path too: torch has no kernel for row-major nibbles on CUDA but the dequantizing fallback."""
     if x.shape[0] == 1:
+        from vismmoe_edge.kernels.moe_decode import fused_decode_int4, use_triton_int4  # it imports this module
+
+        if use_triton_int4(records, form):
+            return fused_decode_int4(x, slots, weights, records, form, act)
         return decode_quantized(x, slots, weights, records, form, act)
     return prefill_quantized(x, slots, weights, records, form, act)
