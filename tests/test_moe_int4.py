@@ -138,7 +138,7 @@ def test_fused_int4_gemv_matches_the_dequantized_weights_in_the_interpreter(
 
 @interpreter
 def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_kernel() -> None:
-    from vismmoe_edge.experts.quant_pool import pool_forward
+    from vismmoe_edge.experts.compute import OffloadedExperts
 
     spec, records, dense = make_records(256, 32, 32)
     form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
@@ -147,4 +147,7 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
     want = expert_rows(x, slots, weights, dense, F.silu).sum(0, keepdim=True)
     out = md.fused_decode_int4(x, slots, weights, records, form, F.silu)
     assert rel(out, want) < 1e-5  # float32 all the way: only the order of the sums differs
-    assert torch.equal(pool_forward(x, slots, weights, records, form, F.silu), out)
+    pool = SimpleNamespace(form=form, records=records)
+    layer = SimpleNamespace(runtime=SimpleNamespace(pipeline=SimpleNamespace(tier=SimpleNamespace(pool=pool))),
+                            act_fn=F.silu)  # fmt: skip
+    assert torch.equal(OffloadedExperts.pool_compute(layer, x, slots, weights), out)  # type: ignore[arg-type]

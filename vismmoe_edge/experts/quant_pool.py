@@ -75,13 +75,7 @@ def prefill_quantized(
 def pool_forward(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act
 ) -> torch.Tensor:
-    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise. A pool of
-    int4 slots in the Triton form (quant_slots.triton_int4_slots) decodes through the Triton GEMV on the
-    per-layer path too: torch has no kernel for row-major nibbles on CUDA but the dequantizing fallback."""
+    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise."""
     if x.shape[0] == 1:
-        from vismmoe_edge.kernels.moe_decode import fused_decode_int4, use_triton_int4  # it imports this module
-
-        if use_triton_int4(records, form):
-            return fused_decode_int4(x, slots, weights, records, form, act)
         return decode_quantized(x, slots, weights, records, form, act)
     return prefill_quantized(x, slots, weights, records, form, act)
