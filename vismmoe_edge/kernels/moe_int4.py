@@ -73,10 +73,11 @@ def _kernel():  # type: ignore[no-untyped-def]
         which the decoder makes before capture."""
         if INTERPRET:
             return fn
+        # BLOCK_K 128 at g128 keeps a block inside one group (no reshape); the others sum several groups
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 256, 4),
                                    (32, 512, 4), (32, 512, 8), (32, 1024, 8), (64, 256, 4), (64, 256, 8),
-                                   (64, 512, 8), (128, 256, 8))]  # fmt: skip
+                                   (64, 512, 8), (128, 256, 8), (32, 128, 4), (64, 128, 4), (128, 128, 8))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
 
     # fmt: off
