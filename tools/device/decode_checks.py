@@ -6,7 +6,8 @@
   redo a token), under the near-tie rule of tests/hf_reference.py (both numbers reported);
 - host syncs: CUDA runtime synchronisations per resident device token (torch.profiler), bound <= 2;
 - one MoE layer at 30B-A3B shapes (H 2048, I 768, k 8, bf16) in a graph: the fused Triton GEMV and the torch
-  path, against the byte bound at the HBM bandwidth a large copy reaches;
+  path, against the byte bound at the HBM bandwidth a large copy reaches; the same from int8 and int4 g128
+  records (Triton GEMVs reading them in place; int4 also through tinygemm, the torch path), reported only;
 - one layer's attention at 30B-A3B shapes (32/4 heads, d 128, bf16, capacities 1536 and 4096) in a graph: the
   split-KV Triton kernel (kernels/decode_attention.py) against the compiled SDPA path it replaced.
     python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
@@ -240,9 +241,13 @@ def moe_layer() -> dict:
         int8 = int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph)
     except Exception as e:  # noqa: BLE001
         int8 = {"int8_error": f"{type(e).__name__}: {e}"}
+    try:
+        int4 = int4_layer(x, sel, w, gate_up, down, hbm, timed, in_graph)
+    except Exception as e:  # noqa: BLE001
+        int4 = {"int4_error": f"{type(e).__name__}: {e}"}
     return {"ok": err < 2e-2 and fused_us <= 2 * bound_us, "hbm_gb_s": hbm / 1e9, "byte_bound_us": bound_us,
             "fused_us": fused_us, "torch_us": torch_us, "fused_over_bound": fused_us / bound_us,
-            "relative_error": err, **mapped, **int8}  # fmt: skip
+            "relative_error": err, **mapped, **int8, **int4}  # fmt: skip
 
 
 def int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]
@@ -276,6 +281,51 @@ def int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type:
     int8_us, dequant_us = timed(in_graph(fused)), timed(in_graph(dequant))
     return {"int8_us": int8_us, "int8_byte_bound_us": bound_us, "int8_over_bound": int8_us / bound_us,
             "int8_dequantize_path_us": dequant_us, "int8_relative_error": err}  # fmt: skip
+
+
+def int4_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]
+    """The same layer from int4 g128 records: row-major nibbles read in place by the Triton GEMV (the slot form
+    of the device decode path, kernels/moe_int4.py), against the int4 byte bound, and the same records in
+    tinygemm's tiles through the torch path (gathered copy, then tinygemm per expert); each one's error against
+    the dequantized weights' float32 computation (reported only)."""
+    from vismmoe_edge.experts.quant_pool import decode_quantized
+    from vismmoe_edge.kernels import moe_decode as md
+    from vismmoe_edge.quant.config import make_config
+    from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
+    from vismmoe_edge.quant.packing import ROWMAJOR
+    from vismmoe_edge.quant.record import ExpertSpec, encode_expert
+    from vismmoe_edge.quant.slot_form import SlotForm
+
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    spec = ExpertSpec(make_config(4, 128, ROWMAJOR), hidden, inter)
+    rows = []
+    for s in range(gate_up.shape[0]):  # quantized on the GPU (plain tensor ops)
+        parts = encode_expert(spec, gate_up[s].float(), down[s].float())
+        rows.append(torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]))
+    records = torch.stack(rows)
+    form = SlotForm.for_device(spec, records.device, triton=True)
+    out: dict = {"int4_triton_form": form.triton_int4}
+    ref_w = [dequantize_expert(expert_views(records[s].cpu(), spec)) for s in sel[0].tolist()]
+    ref = torch.zeros(1, hidden)
+    for j, (g, d) in enumerate(ref_w):
+        gate, up = F.linear(x.float().cpu(), g).chunk(2, dim=-1)
+        ref += F.linear(F.silu(gate) * up, d) * float(w[0, j])
+    bound_us = sel.shape[1] * spec.nbytes / hbm * 1e6
+    out["int4_byte_bound_us"] = bound_us
+    if md.use_triton_int4(records, form):
+        fused = lambda: md.fused_decode_int4(x, sel, w, records, form, F.silu)  # noqa: E731
+        out["int4_relative_error"] = float((fused().float().cpu() - ref).abs().max() / ref.abs().max())
+        out["int4_us"] = timed(in_graph(fused))
+        out["int4_over_bound"] = out["int4_us"] / bound_us
+    tiles = SlotForm.for_device(spec, records.device)  # the per-layer path's form: tinygemm's tiles
+    tiled = records.clone()
+    if tiles.rebuilds:
+        for s in range(tiled.shape[0]):
+            tiles.build(tiled[s])
+    torch_path = lambda: decode_quantized(x, sel, w, tiled, tiles, F.silu)  # noqa: E731
+    out["int4_tinygemm_relative_error"] = float((torch_path().float().cpu() - ref).abs().max() / ref.abs().max())
+    out["int4_tinygemm_path_us"] = timed(in_graph(torch_path))
+    return out
 
 
 def mapped_layer(x, sel, w, gate_up, down, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ that keeps such a tensor (host slots, GPU slots, slots in pinned memory a GPU re
   pairs of GEMVs it is). int8 under the "dequantize" path dequantizes the k gathered experts at once and runs
   two batched GEMMs instead. On the CPU the experts are read where they are (no gather copy).
 - prefill (many tokens): tokens sorted by slot, then each slot in use computes its tokens as one GEMM through
-  the same kernels.
+  the same kernels (int4 slots in the Triton decode form, row-major nibbles on CUDA: dequantized to the compute
+  dtype, then F.linear).
 """
 
 from __future__ import annotations

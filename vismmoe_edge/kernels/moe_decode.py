@@ -4,14 +4,16 @@
 computes the experts from their slots and flags a miss (an expert the table says is absent). Everything is device
 ops of fixed shape, so a CUDA graph replays it; on a miss the output is garbage and the caller redoes the token.
 
-- bf16 / fp16 slot pools and int8 records on CUDA with Triton: a fused gather + GEMV (`_gemv_kernel`; for the
-  down projection with the activation and the routing weight folded in): each program reads its expert's slot
-  id from the device, then streams a block of that expert's rows straight from the pool (int8: codes and row
-  scales read in place from the slot's record, dequantized in registers). No
+- bf16 / fp16 slot pools, int8 records and int4 records in row-major nibbles on CUDA with Triton: a fused
+  gather + GEMV (`_gemv_kernel`, moe_int4.py for int4; for the down projection with the activation and the
+  routing weight folded in): each program reads its expert's slot id from the device, then streams a block of
+  that expert's rows straight from the pool (int8: codes and row scales, int4: nibbles and group scales and
+  zeros, read in place from the slot's record and dequantized in registers). No
   gathered copy of the k experts is made, which the torch path's `index_select` does (it writes and rereads
   k * 9.4 MB per layer at 30B-A3B shapes), and a GEMV at batch 1 reads memory at a far larger fraction of
   its bandwidth than cuBLAS's batched GEMM (the issue's probe: ~610 GB/s of 4.3 TB/s).
-- everything else (the CPU, float32 pools, int4 records, no Triton): the pool's own decode functions on the
+- everything else (the CPU, float32 pools, int4 records in tinygemm's tiles, no Triton): the pool's own decode
+  functions on the
   looked-up slots (pool_compute.decode_experts, quant_pool.decode_quantized); on the CPU this is exactly the
   computation of the per-layer path, so the CPU stays exact against transformers.
 """
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
+from vismmoe_edge.kernels.moe_int4 import gemv_int4
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -71,6 +74,8 @@ def pool_decode(
     if form is not None:
         if use_triton_int8(pool.records, form):
             return fused_decode_int8(x, slots, weights, pool.records, form, act, summed=summed)
+        if use_triton_int4(pool.records, form):
+            return fused_decode_int4(x, slots, weights, pool.records, form, act, summed=summed)
         return decode_quantized(x, slots, weights, pool.records, form, act)
     if use_triton(pool.gate_up):
         return fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=summed)
@@ -129,6 +134,12 @@ def use_triton_int8(records: torch.Tensor, form: Any) -> bool:
     return HAS_TRITON and (records.is_cuda or INTERPRET) and form.spec.quant.bits == 8
 
 
+def use_triton_int4(records: torch.Tensor, form: Any) -> bool:
+    """int4 records whose slots hold row-major nibbles (SlotForm.triton_int4: the pool chose the Triton form) on
+    CUDA with Triton; tinygemm's tiles stay on the torch path."""
+    return HAS_TRITON and (records.is_cuda or INTERPRET) and form.triton_int4
+
+
 def fused_decode(
     x: torch.Tensor,
     slots: torch.Tensor,
@@ -163,10 +174,31 @@ def fused_decode_int8(
     return y.sum(0, keepdim=True).to(x.dtype) if summed else y
 
 
+def fused_decode_int4(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    form: Any,
+    act: Act,
+    *,
+    summed: bool = True,
+) -> torch.Tensor:
+    """The Triton path over int4 records [S, nbytes] in row-major nibbles (use_triton_int4): nibbles, group
+    scales and zeros read in place from each slot's record (w = (code - 8) * scale + zero, summed in float32)."""
+    fields, group = {f.name: f for f in form.spec.fields}, form.spec.quant.group_size
+    matrices = [SlotMatrix.of_int4(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
+                                   fields[f"{m}.scales_zeros"].offset, group)
+                for m in ("gate_up_proj", "down_proj")]  # fmt: skip
+    y = _two_gemvs(x, slots, weights, act, *matrices)
+    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
+
+
 @dataclass(frozen=True)
 class SlotMatrix:
-    """Where one matrix [N, K] of every slot is: a float pool (`stride_row` elements between rows), or int8
-    records (codes at byte `q_off` of each record, row-major; a bf16 scale per row at byte `s_off`)."""
+    """Where one matrix [N, K] of every slot is: a float pool (`stride_row` elements between rows), int8
+    records (codes at byte `q_off` of each record, row-major; a bf16 scale per row at byte `s_off`), or int4
+    records (`group` > 0: row-major nibbles at `q_off`, bf16 (scale, zero) [K/group, N, 2] at `s_off`)."""
 
     base: torch.Tensor
     n: int
@@ -176,6 +208,7 @@ class SlotMatrix:
     int8: bool = False
     q_off: int = 0
     s_off: int = 0
+    group: int = 0
 
     @staticmethod
     def of_pool(w: torch.Tensor) -> SlotMatrix:
@@ -185,6 +218,11 @@ class SlotMatrix:
     def of_int8(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int) -> SlotMatrix:
         n, k = shape
         return SlotMatrix(records, n, k, records.stride(0), k, int8=True, q_off=q_off, s_off=s_off)
+
+    @staticmethod
+    def of_int4(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int, group: int) -> SlotMatrix:
+        n, k = shape
+        return SlotMatrix(records, n, k, records.stride(0), k // 2, q_off=q_off, s_off=s_off, group=group)
 
 
 def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act: Act, gate_up: SlotMatrix,
@@ -214,6 +252,8 @@ def gemv(
     """slot_ids [k] int32 -> [k, N] float32: out[e] = W[slot_ids[e]] @ v[e]. `silu_of` (the down projection of
     SiLU experts): v [k, 2K] holds gate | up in float32, the input is silu(gate) * up rounded to that dtype, and
     out[e] is scaled by mix[e]."""
+    if w.group:
+        return gemv_int4(w, slot_ids, v, mix, silu_of=silu_of)
     k = slot_ids.shape[0]
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
     _kernels()[0][_grid(k, w.n)](

@@ -7,6 +7,11 @@ and only the int4 codes change layout.
   in them, so a fetch is one copy; another layout is repacked in place (~2 ms per 30B-A3B matrix).
 - CUDA: tinygemm's int32 tiles (`_convert_weight_to_int4pack`), built on the GPU from the record's nibbles right
   after their DMA. The tiles take exactly the nibbles' bytes, so they overwrite them.
+- CUDA for the Triton decode kernel (`for_device(..., triton=True)`, kernels/moe_int4.py): the file's plain
+  row-major nibbles (packing.ROWMAJOR), which a Triton GEMV reads with one byte load per two codes; tinygemm's
+  tiles are opaque to it. A row-major file is then one DMA; a file in a CPU's tiles is repacked on the GPU
+  after the DMA, as for tinygemm. The pool asks for this form (experts/tiers/quant_slots.py,
+  `triton_int4_slots`) only where the device decode path will read it; everything else keeps tinygemm's.
 - int8, and int4 matrices a kernel cannot take (group sizes other than 32..256, odd shapes): the record's bytes
   as they are (kernels.linear dequantizes those).
 The scales stay as stored: `[K/g, N, 2]` bf16 is what both int4 kernels take. `views(buf)` turns one slot's
@@ -27,10 +32,15 @@ from vismmoe_edge.quant.kernels import (
     cpu_kernel_ok,
     cuda_inner_k_tiles,
 )
-from vismmoe_edge.quant.packing import cuda_kernel_input, native_cpu_layout, pack_cpu_tiles, unpack_int4
+from vismmoe_edge.quant.packing import ROWMAJOR, cuda_kernel_input, native_cpu_layout, pack_int4, unpack_int4
 from vismmoe_edge.quant.record import ExpertSpec, RecordField
 
 MATRICES = ("gate_up_proj", "down_proj")
+
+
+def triton_group_ok(group_size: int | None) -> bool:
+    """Groups the Triton int4 GEMV takes: a power of two, so a block of codes splits into whole groups."""
+    return group_size is not None and group_size >= 2 and group_size & (group_size - 1) == 0
 
 
 def tinygemm_shape(n: int, k: int, inner_k_tiles: int) -> tuple[int, int, int, int]:
@@ -49,13 +59,18 @@ class SlotForm:
     tiles: dict[str, int]
 
     @staticmethod
-    def for_device(spec: ExpertSpec, device: torch.device) -> SlotForm:
+    def for_device(spec: ExpertSpec, device: torch.device, *, triton: bool = False) -> SlotForm:
+        """`triton`: int4 matrices in row-major nibbles for the Triton GEMV (group sizes it takes), on any device
+        (the CPU only in the interpreter's tests: the CPU pools never ask for it)."""
         layouts: dict[str, str] = {}
         tiles: dict[str, int] = {}
         q = spec.quant
         for name, (n, k) in spec.matrices.items():
             layouts[name] = q.layout
             if q.bits != 4:
+                continue
+            if triton and triton_group_ok(q.group_size):
+                layouts[name] = ROWMAJOR
                 continue
             probe = QuantizedMatrix(4, n, k, q.group_size, q.layout, torch.empty(0), torch.empty(0))
             if device.type == "cuda":
@@ -65,6 +80,12 @@ class SlotForm:
             elif (native := native_cpu_layout()) is not None and cpu_kernel_ok(probe):
                 layouts[name] = native
         return SlotForm(spec, device, layouts, tiles)
+
+    @property
+    def triton_int4(self) -> bool:
+        """int4 matrices all in row-major nibbles with groups the Triton GEMV takes (kernels/moe_int4.py)."""
+        q = self.spec.quant
+        return q.bits == 4 and triton_group_ok(q.group_size) and all(self.layouts[m] == ROWMAJOR for m in MATRICES)
 
     @property
     def rebuilds(self) -> bool:
@@ -119,5 +140,5 @@ class SlotForm:
                         f"{list(want)}: this torch's tinygemm layout changed"
                     )
                 raw.view(torch.int32).view(want).copy_(packed)
-            else:
-                raw.view(n, k // 2).copy_(pack_cpu_tiles(codes, layout))
+            else:  # another CPU's tiles, or row-major nibbles for the Triton GEMV
+                raw.view(n, k // 2).copy_(pack_int4(codes, layout))

@@ -6,9 +6,15 @@ then pinned-prefix slots, the same fetch paths (CPU: one copy from the mmapped s
 pinned host mirror or from pinned staging that the pread pool fills), the same per-slot events. A fetch moves the
 record's bytes and nothing else; on CUDA the DMA lands in the slot and tinygemm's tiles are then built in place
 on the copy stream, before the slot's event, so compute never sees a half-built slot.
+
+int4 slots on CUDA hold either tinygemm's tiles (the per-layer path's kernel) or row-major nibbles (the Triton
+GEMV of the device decode path, kernels/moe_int4.py): one layout per pool, chosen when it is allocated
+(`triton_int4_slots`), since a slot has room for one.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,7 +30,7 @@ class QuantSlotPoolTier(SlotPoolTier):
     def _allocate(self, total: int) -> None:
         """The slots' storage: one record of `spec.nbytes` per slot, in the device's SlotForm."""
         self.spec = self.store.catalogue.quant
-        self.form = SlotForm.for_device(self.spec, self.device)
+        self.form = SlotForm.for_device(self.spec, self.device, triton=triton_int4_slots(self.store, total))
         self.records = torch.empty((total, self.spec.nbytes), dtype=torch.uint8, device=self.device)
         self.slot_bytes = self._read_bytes = self.spec.nbytes
 
@@ -54,6 +60,24 @@ class QuantSlotPoolTier(SlotPoolTier):
 
     def weights(self, slot: int) -> QuantizedExpert:  # type: ignore[override]
         return self.form.views(self.records[slot])
+
+
+def triton_int4_slots(store: ExpertStore, total: int) -> bool:
+    """Whether a CUDA pool of `total` slots keeps int4 codes row-major for the Triton GEMV instead of tinygemm's
+    tiles. `VISMMOE_INT4_SLOTS`: "triton", "tinygemm", or "auto" (the default): Triton where the engine's
+    device decode "auto" will read the pool, i.e. every expert fits in it (Engine.uses_device_decode) and
+    VISMMOE_DEVICE_DECODE is not "off". The per-layer decode of such a pool also runs the Triton GEMV
+    (OffloadedExperts.pool_compute); its prefill dequantizes each slot in use and runs F.linear (kernels.linear)."""
+    spec = store.catalogue.quant  # the records' ExpertSpec
+    if store.device.type != "cuda" or spec is None or spec.quant.bits != 4:
+        return False
+    choice = os.environ.get("VISMMOE_INT4_SLOTS", "auto")
+    if choice in ("triton", "tinygemm"):
+        return choice == "triton"
+    from vismmoe_edge.kernels.moe_decode import HAS_TRITON
+
+    every_expert = total >= len(store.catalogue.experts)
+    return HAS_TRITON and every_expert and os.environ.get("VISMMOE_DEVICE_DECODE", "auto") != "off"
 
 
 def slot_pool_class(store: ExpertStore) -> type[SlotPoolTier]:

@@ -1,0 +1,153 @@
+"""int4 expert records on the device decode path: the slot form that keeps row-major nibbles for the Triton GEMV
+(quant/slot_form.py, experts/tiers/quant_slots.py) and the kernel itself (kernels/moe_int4.py) under
+`TRITON_INTERPRET=1` against the dequantized weights' float computation (skipped otherwise: run
+`TRITON_INTERPRET=1 pytest tests/test_moe_int4.py`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from vismmoe_edge.experts.tiers.quant_slots import triton_int4_slots
+from vismmoe_edge.kernels import moe_decode as md
+from vismmoe_edge.quant.config import make_config
+from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, dequantize_expert, expert_views
+from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
+from vismmoe_edge.quant.record import ExpertSpec, encode_expert
+from vismmoe_edge.quant.slot_form import MATRICES, SlotForm
+
+SLOTS = 6
+CUDA = torch.device("cuda")  # a device object only: the forms are chosen without a GPU
+interpreter = pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+
+
+def make_records(hidden: int, inter: int, group: int, layout: str = ROWMAJOR, seed: int = 0):  # type: ignore[no-untyped-def]
+    """SLOTS random int4 experts as records [SLOTS, nbytes] in `layout`, and their dequantized float32 weights."""
+    spec = ExpertSpec(make_config(4, group, layout), hidden, inter)
+    g = torch.Generator().manual_seed(seed)
+    records, dense = [], []
+    for _ in range(SLOTS):
+        gate_up = torch.randn(2 * inter, hidden, generator=g) * 0.05
+        down = torch.randn(hidden, inter, generator=g) * 0.05
+        buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in encode_expert(spec, gate_up, down)])
+        records.append(buf)
+        dense.append(dequantize_expert(expert_views(buf, spec)))
+    return spec, torch.stack(records), dense
+
+
+def expert_rows(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, dense: list, act) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Each routed expert's weighted output [k, H] in float32 from the dequantized weights."""
+    rows = []
+    for j, s in enumerate(slots[0].tolist()):
+        gate_up, down = dense[s]
+        gate, up = F.linear(x.float(), gate_up).chunk(2, dim=-1)
+        rows.append(F.linear(act(gate) * up, down)[0] * weights[0, j].float())
+    return torch.stack(rows)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b).abs().max() / b.abs().max()).item()
+
+
+# ---- the slot form (no Triton needed) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [ROWMAJOR, "cpu_b64_split"])
+def test_the_cpu_keeps_its_layouts_and_cuda_keeps_tinygemm_unless_asked(layout: str) -> None:
+    spec = ExpertSpec(make_config(4, 32, layout), 128, 96)
+    cpu = SlotForm.for_device(spec, torch.device("cpu"))
+    native = native_cpu_layout()
+    want = native if native is not None else layout
+    assert all(cpu.layouts[m] == want for m in MATRICES)  # this CPU's tiles, as before
+    tinygemm = SlotForm.for_device(spec, CUDA)
+    assert all(tinygemm.layouts[m] == CUDA_TINYGEMM for m in MATRICES) and not tinygemm.triton_int4
+    triton = SlotForm.for_device(spec, CUDA, triton=True)
+    assert all(triton.layouts[m] == ROWMAJOR for m in MATRICES) and triton.triton_int4 and not triton.tiles
+    assert triton.rebuilds == (layout != ROWMAJOR)  # a row-major file is one DMA; CPU tiles are repacked
+
+
+def test_groups_the_triton_gemv_cannot_take_and_int8_keep_their_forms() -> None:
+    odd = ExpertSpec(make_config(4, 48, ROWMAJOR), 96, 48)  # not a power of two
+    form = SlotForm.for_device(odd, CUDA, triton=True)
+    assert form.layouts == SlotForm.for_device(odd, CUDA).layouts and not form.triton_int4
+    int8 = ExpertSpec(make_config(8, None, ROWMAJOR), 128, 96)
+    form = SlotForm.for_device(int8, CUDA, triton=True)
+    assert all(form.layouts[m] == ROWMAJOR for m in MATRICES) and not form.triton_int4 and not form.rebuilds
+
+
+def test_the_pool_asks_for_the_triton_form_only_on_cuda_where_device_decode_reads_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    spec = ExpertSpec(make_config(4, 32, ROWMAJOR), 128, 96)
+    experts = {(layer, e): None for layer in range(2) for e in range(8)}
+
+    def store(device: str, quant=spec):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(device=torch.device(device), catalogue=SimpleNamespace(quant=quant, experts=experts))
+
+    monkeypatch.delenv("VISMMOE_INT4_SLOTS", raising=False)
+    monkeypatch.delenv("VISMMOE_DEVICE_DECODE", raising=False)
+    assert not triton_int4_slots(store("cpu"), 16)  # the CPU keeps its tiles
+    assert triton_int4_slots(store("cuda"), 16) == md.HAS_TRITON  # every expert fits: device decode "auto"
+    assert not triton_int4_slots(store("cuda"), 15)  # some stream: the per-layer path, tinygemm
+    assert not triton_int4_slots(store("cuda", None), 16)  # float experts
+    assert not triton_int4_slots(store("cuda", ExpertSpec(make_config(8, None, ROWMAJOR), 128, 96)), 16)
+    monkeypatch.setenv("VISMMOE_DEVICE_DECODE", "off")
+    assert not triton_int4_slots(store("cuda"), 16)
+    monkeypatch.setenv("VISMMOE_INT4_SLOTS", "triton")
+    assert triton_int4_slots(store("cuda"), 15) and not triton_int4_slots(store("cpu"), 16)
+    monkeypatch.setenv("VISMMOE_INT4_SLOTS", "tinygemm")
+    assert not triton_int4_slots(store("cuda"), 16)
+
+
+# ---- the kernel in the interpreter ---------------------------------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("hidden", "inter", "group", "layout"),
+    [
+        (320, 40, 8, ROWMAJOR),  # partial row and column blocks; blocks of several groups
+        (384, 128, 128, "cpu_b64_split"),  # a partial block's last group masked; down: blocks inside one group
+        (64, 16, 2, ROWMAJOR),  # the smallest group: one byte each
+    ],
+)
+def test_fused_int4_gemv_matches_the_dequantized_weights_in_the_interpreter(
+    hidden: int, inter: int, group: int, layout: str
+) -> None:
+    spec, records, dense = make_records(hidden, inter, group, layout)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    for s in range(SLOTS):  # the fetch's repack of a file in CPU tiles into row-major nibbles
+        if form.rebuilds:
+            form.build(records[s])
+    assert md.use_triton_int4(records, form)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[5, 0, 3, 2]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    for act in (F.silu, F.gelu):  # SiLU folded into the down GEMV; another activation between the two
+        want = expert_rows(x, slots, weights, dense, act)
+        rows = md.fused_decode_int4(x, slots, weights, records, form, act, summed=False)
+        assert rows.shape == want.shape and rows.dtype == torch.float32
+        assert rel(rows, want) < 2e-2, act  # bf16 inputs and inner activation (docs/quantization.md)
+        out = md.fused_decode_int4(x, slots, weights, records, form, act)
+        assert out.dtype == x.dtype and rel(out, rows.sum(0, keepdim=True)) < 1e-2  # the rows sum to it
+        if act is F.silu:  # pool_decode picks the kernel
+            pool = SimpleNamespace(form=form, records=records)
+            assert torch.equal(md.pool_decode(x, slots, weights, pool, act), out)
+
+
+@interpreter
+def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_kernel() -> None:
+    from vismmoe_edge.experts.compute import OffloadedExperts
+
+    spec, records, dense = make_records(256, 32, 32)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
+    slots, weights = torch.tensor([[1, 4]]), torch.tensor([[0.7, 0.3]])
+    want = expert_rows(x, slots, weights, dense, F.silu).sum(0, keepdim=True)
+    out = md.fused_decode_int4(x, slots, weights, records, form, F.silu)
+    assert rel(out, want) < 1e-5  # float32 all the way: only the order of the sums differs
+    pool = SimpleNamespace(form=form, records=records)
+    layer = SimpleNamespace(runtime=SimpleNamespace(pipeline=SimpleNamespace(tier=SimpleNamespace(pool=pool))),
+                            act_fn=F.silu)  # fmt: skip
+    assert torch.equal(OffloadedExperts.pool_compute(layer, x, slots, weights), out)  # type: ignore[arg-type]

@@ -1,0 +1,147 @@
+"""The Triton GEMV over int4 expert records, read in place from the slot pool (moe_decode.fused_decode_int4).
+
+A slot holds the record of quant/record.py with its codes in row-major nibbles (packing.ROWMAJOR: byte j of
+row n = code[n, 2j] | code[n, 2j+1] << 4; slot_form.SlotForm.for_device(..., triton=True)) and the scales as
+stored, `scales_zeros` bf16 [K/g, N, 2], so W[n, c] = (code - 8) * scale + zero for c's group. Each program
+reads its expert's slot id on the device and streams a block of rows: per block of bytes, the low nibbles meet
+the even inputs and the high nibbles the odd ones (no interleave in registers), the products are summed per
+group, and each group's sum is scaled once: sum_c W[n, c] a[c] = sum_groups scale * sum (code - 8) a + zero *
+sum a. Accumulation is float32. Groups are powers of two (slot_form.triton_group_ok), so a block of codes
+covers whole groups or lies inside one.
+
+Half the bytes of int8 and a quarter of bf16 per weight: at 30B-A3B shapes a layer's 8 records are 20.1 MB.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the inner activation's rounding; float32 keeps it (0)
+
+
+def gemv_int4(
+    w: Any,
+    slot_ids: torch.Tensor,
+    v: torch.Tensor,
+    mix: torch.Tensor,
+    *,
+    silu_of: torch.dtype | None = None,
+) -> torch.Tensor:
+    """w: a moe_decode.SlotMatrix of int4 records (`group` > 0). slot_ids [k] int32 -> [k, N] float32:
+    out[e] = W[slot_ids[e]] @ v[e]; `silu_of` as moe_decode.gemv (v [k, 2K] gate | up in float32, the input
+    silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
+    k = slot_ids.shape[0]
+    out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
+    _kernel()[_grid(k, w.n)](
+        w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
+        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), **_blocks(w.k),
+    )  # fmt: skip
+    return out
+
+
+def _grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
+    return lambda meta: (k, -(-n // meta["BLOCK_N"]))
+
+
+def _blocks(kk: int) -> dict[str, int]:
+    """Fixed blocks in the interpreter (the CPU tests); on the GPU the autotuner picks them per shape."""
+    if not INTERPRET:
+        return {}
+    import triton
+
+    return {"BLOCK_N": 32, "BLOCK_K": 256 if kk >= 256 else max(2, triton.next_power_of_2(kk))}
+
+
+_compiled: Any = None
+
+
+def _kernel():  # type: ignore[no-untyped-def]
+    """Defined on first use (importing triton costs ~1 s, and CPU hosts have none)."""
+    global _compiled
+    if _compiled is not None:
+        return _compiled
+    import triton
+    import triton.language as tl
+
+    def tuned(fn):  # type: ignore[no-untyped-def]
+        """Blocks (BLOCK_K in codes: half as many bytes) chosen per (N, K, group) by timing on the first call,
+        which the decoder makes before capture."""
+        if INTERPRET:
+            return fn
+        # BLOCK_K 128 at g128 keeps a block inside one group (no reshape); the others sum several groups
+        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                   for n, k, w in ((8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 256, 4),
+                                   (32, 512, 4), (32, 512, 8), (32, 1024, 8), (64, 256, 4), (64, 256, 8),
+                                   (64, 512, 8), (128, 256, 8), (32, 128, 4), (64, 128, 4), (128, 128, 8))]  # fmt: skip
+        return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
+
+    # fmt: off
+    @tuned
+    @triton.jit
+    def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, q_off, s_off, GROUP: tl.constexpr,
+                          SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        # fmt: on
+        HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
+        GB: tl.constexpr = GROUP // 2  # bytes of a row per group
+        e = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        slot = tl.load(slot_ids + e).to(tl.int64)
+        record = w + slot * stride_slot  # this slot's record (uint8)
+        codes = record + q_off  # [N, K/2] row-major nibbles
+        sz = (record + s_off).to(tl.pointer_type(tl.bfloat16))  # [K/GROUP, N, 2]: (scale, zero)
+        kb = K // 2
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, kb, HALF):
+            jb = start + tl.arange(0, HALF)
+            ok = jb < kb
+            even = 2 * jb  # the input the byte's low nibble meets; the high nibble meets even + 1
+            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
+                gate0 = tl.load(v + e * 2 * K + even, mask=ok, other=0.0)
+                gate1 = tl.load(v + e * 2 * K + even + 1, mask=ok, other=0.0)
+                up0 = tl.load(v + e * 2 * K + K + even, mask=ok, other=0.0)
+                up1 = tl.load(v + e * 2 * K + K + even + 1, mask=ok, other=0.0)
+                a0 = gate0 * tl.sigmoid(gate0) * up0
+                a1 = gate1 * tl.sigmoid(gate1) * up1
+                if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
+                    a0 = a0.to(tl.bfloat16).to(tl.float32)
+                    a1 = a1.to(tl.bfloat16).to(tl.float32)
+                elif ROUND == 2:
+                    a0 = a0.to(tl.float16).to(tl.float32)
+                    a1 = a1.to(tl.float16).to(tl.float32)
+            else:
+                a0 = tl.load(v + e * K + even, mask=ok, other=0.0).to(tl.float32)
+                a1 = tl.load(v + e * K + even + 1, mask=ok, other=0.0).to(tl.float32)
+            ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
+            byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
+            lo = (byte & 15).to(tl.float32) - 8.0
+            hi = (byte >> 4).to(tl.float32) - 8.0
+            part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs
+            a = a0 + a1
+            if HALF <= GB:  # the block lies inside one group: one (scale, zero) per row
+                at = (start // GB * N + rows) * 2
+                scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
+                zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
+                acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
+            else:  # HALF // GB whole groups: sum each, then scale it
+                NG: tl.constexpr = HALF // GB
+                groups = start // GB + tl.arange(0, NG)
+                per_group = tl.sum(tl.reshape(part, (BLOCK_N, NG, GB)), axis=2)  # [BLOCK_N, NG]
+                a_group = tl.sum(tl.reshape(a, (NG, GB)), axis=1)  # [NG]
+                at = (groups[None, :] * N + rows[:, None]) * 2
+                m = row_ok[:, None] & (groups[None, :] < K // GROUP)
+                scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
+                zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
+                acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
+        if SILU:
+            acc = acc * tl.load(mix + e)
+        tl.store(out + e * N + rows, acc, mask=row_ok)
+
+    _compiled = _gemv_int4_kernel
+    return _compiled
