@@ -4,6 +4,7 @@ next token chosen by the device sampler. Run eagerly on the CPU here, exactly ag
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -311,3 +312,28 @@ def test_fused_int8_gemv_matches_the_dequantized_weights_in_the_interpreter() ->
         out = md.fused_decode_int8(x, slots, weights, records, form, act)
         want = ref if act is F.silu else md.decode_quantized(x.float(), slots, weights, records, form, act).float()
         assert rel(out, want) < 2e-2, act
+    # float32 activations keep the inner activation unrounded: the kernel is the dequantized float computation
+    out = md.fused_decode_int8(x.float(), slots, weights, records, form, F.silu)
+    assert rel(out, ref) < 1e-5
+
+
+def test_decode_switches_refuse_unknown_values(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment switches of the device path fail with one line naming the variable and its values."""
+    from vismmoe_edge.errors import VismmoeError
+    from vismmoe_edge.experts.tiers.quant_slots import triton_int4_slots
+    from vismmoe_edge.static_decode import compiles_layers
+
+    with pytest.raises(VismmoeError, match="VISMMOE_COMPILE_DECODE='yes': use auto, 1 or 0"):
+        compiles_layers("yes", torch.device("cpu"))
+    assert compiles_layers("auto", torch.device("cpu")) is False and compiles_layers("1", torch.device("cpu"))
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu", tier="host")
+    engine.static_decode = engine.device_decode = "on"
+    engine.decode_ahead = "sometimes"
+    inputs = engine.encode("Hello", [])
+    with pytest.raises(VismmoeError, match="VISMMOE_DECODE_AHEAD='sometimes': use auto, on or off"):
+        engine.generate_from_inputs(inputs, SamplingConfig(max_new_tokens=3))
+    monkeypatch.setenv("VISMMOE_INT4_SLOTS", "fast")
+    int4 = SimpleNamespace(quant=SimpleNamespace(bits=4))  # an int4 catalogue's ExpertSpec, as far as it is read
+    store = SimpleNamespace(device=torch.device("cuda"), catalogue=SimpleNamespace(quant=int4, experts=[]))
+    with pytest.raises(VismmoeError, match="VISMMOE_INT4_SLOTS='fast': use auto, triton or tinygemm"):
+        triton_int4_slots(store, 1)  # type: ignore[arg-type]

@@ -30,14 +30,13 @@ from vismmoe_edge.experts.compute import ExpertRuntime
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
-from vismmoe_edge.kernels.moe_decode import HAS_TRITON
 from vismmoe_edge.models.ops import PrefillOps, visual_features
 from vismmoe_edge.prefix_cache import PrefixCache
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.results import GenerationResult, Timings
 from vismmoe_edge.sampling import Sampler, SamplingConfig
-from vismmoe_edge.static_decode import StaticDecoder, capacity_for
+from vismmoe_edge.static_decode import StaticDecoder, capacity_for, compiles_layers
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -375,8 +374,7 @@ class Engine:
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
         mapped = on_device and self.device_decode_mapped
-        auto = self.compile_decode == "auto" and self.device.type == "cuda" and HAS_TRITON
-        fused = on_device and (self.compile_decode in (True, "1") or auto)
+        fused = on_device and compiles_layers(self.compile_decode, self.device)
         key = (capacity, routed_k, on_device, mapped, fused)
         decoder = self._decoders.get(key)
         if decoder is None:

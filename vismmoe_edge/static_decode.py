@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from vismmoe_edge.device_sampling import DeviceSampler
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
@@ -39,6 +40,18 @@ CAPACITY_STEP = 512
 
 def capacity_for(tokens: int) -> int:
     return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def compiles_layers(mode: bool | str, device: torch.device) -> bool:
+    """`engine.compile_decode` / VISMMOE_COMPILE_DECODE: "auto" compiles on CUDA with Triton; True or "1" always
+    (a compiler failure still falls back to eager); False or "0" never."""
+    if mode in (True, "1"):
+        return True
+    if mode in (False, "0"):
+        return False
+    if mode != "auto":
+        raise VismmoeError(f"VISMMOE_COMPILE_DECODE={mode!r}: use auto, 1 or 0")
+    return device.type == "cuda" and HAS_TRITON
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -431,6 +444,8 @@ class StaticDecoder:
         the slot pool holds every expert (a miss, which also discards the token launched after it, then happens
         only the first time an expert is used)."""
         mode = self.engine.decode_ahead
+        if mode not in ("auto", "on", "off"):
+            raise VismmoeError(f"VISMMOE_DECODE_AHEAD={mode!r}: use auto, on or off")
         rt = self.engine.experts
         if mode == "off" or self.mapped_experts or self.host_row is not None or rt.replay is not None:
             return False

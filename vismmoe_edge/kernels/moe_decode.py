@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
-from vismmoe_edge.kernels.moe_int4 import gemv_int4
+from vismmoe_edge.kernels.moe_int4 import ROUNDING, gemv_int4
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -258,7 +258,7 @@ def gemv(
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
     _kernels()[0][_grid(k, w.n)](
         w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.stride_row, w.q_off, w.s_off,
-        SILU=silu_of is not None, ROUND_BF16=silu_of == torch.bfloat16, INT8=w.int8, **_blocks(w.k),
+        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), INT8=w.int8, **_blocks(w.k),
     )  # fmt: skip
     return out
 
@@ -300,7 +300,7 @@ def _kernels():  # type: ignore[no-untyped-def]
     @tuned
     @triton.jit
     def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, stride_row, q_off, s_off, SILU: tl.constexpr,
-                     ROUND_BF16: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ROUND: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # fmt: on
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,9 +317,9 @@ def _kernels():  # type: ignore[no-untyped-def]
                 gate = tl.load(v + e * 2 * K + cols, mask=cols < K, other=0.0)
                 up = tl.load(v + e * 2 * K + K + cols, mask=cols < K, other=0.0)
                 a = gate * tl.sigmoid(gate) * up
-                if ROUND_BF16:  # the inner activation in the compute dtype, as the torch path rounds it
+                if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
                     a = a.to(tl.bfloat16).to(tl.float32)
-                else:
+                elif ROUND == 2:  # (float32 compute keeps it)
                     a = a.to(tl.float16).to(tl.float32)
             else:
                 a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)

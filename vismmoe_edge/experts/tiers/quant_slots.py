@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.experts.tiers.slots import SlotPoolTier
 from vismmoe_edge.quant.kernels import QuantizedExpert
@@ -72,6 +73,8 @@ def triton_int4_slots(store: ExpertStore, total: int) -> bool:
     if store.device.type != "cuda" or spec is None or spec.quant.bits != 4:
         return False
     choice = os.environ.get("VISMMOE_INT4_SLOTS", "auto")
+    if choice not in ("auto", "triton", "tinygemm"):
+        raise VismmoeError(f"VISMMOE_INT4_SLOTS={choice!r}: use auto, triton or tinygemm")
     if choice in ("triton", "tinygemm"):
         return choice == "triton"
     from vismmoe_edge.kernels.moe_decode import HAS_TRITON
