@@ -454,6 +454,7 @@ def median_row(strategy: str, trials: list[dict]) -> dict:
         out[key] = statistics.median(t[key] for t in trials)  # fmt: skip
     out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
     out["decode_tokens_per_s_all"] = [round(t["decode_tokens_per_s"], 3) for t in trials]
+    out["prefill_s_all"] = [round(t["prefill_s"], 4) for t in trials]  # the spread between rows is not understood
     return out
 
 
