@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +19,22 @@ CLI = [sys.executable, "-m", "vismmoe_edge.cli"]
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`main()`, the function `python -m vismmoe_edge.cli` calls, in this process: the same parsing, command and error
+    printing without the interpreter's start and its imports (~6 s a call here). For variants of an error whose
+    path a real subprocess already covers; an exception that escapes `main()` fails the test, as a traceback would."""
+    from vismmoe_edge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with mock.patch.object(sys, "argv", ["vismmoe-edge", *args]), redirect_stdout(out), redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1  # as the interpreter maps it
+    return subprocess.CompletedProcess([*CLI, *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
