@@ -1,4 +1,7 @@
-"""The command line as a user meets it: real subprocesses, one-line errors, JSON output equal to transformers."""
+"""The command line as a user meets it: real subprocesses, one-line errors, JSON output equal to transformers.
+
+Where one test makes a second call down a path its first subprocess already took (another bad image, another
+bad option of `run`, the text form of `info`), that call runs the CLI's main() in process (run_cli_in_process)."""
 
 from __future__ import annotations
 
@@ -108,13 +111,13 @@ def test_bad_images(checkpoints, broken_models) -> None:
     model = str(checkpoints["v5"])
     proc = run_cli("run", "--model", model, "--prompt", "hi", "--image", str(broken_models["not_an_image"]))
     assert_one_line_error(proc, "fake.png", "not an image")
-    proc = run_cli("run", "--model", model, "--prompt", "hi", "--image", "/nonexistent/cat.jpg")
+    proc = run_cli_in_process("run", "--model", model, "--prompt", "hi", "--image", "/nonexistent/cat.jpg")
     assert_one_line_error(proc, "/nonexistent/cat.jpg", "not found")
 
 
 def test_empty_prompt_and_bad_budget(checkpoints) -> None:
     assert_one_line_error(run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "  "), "prompt is empty")
-    proc = run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--memory-budget", "lots")
+    proc = run_cli_in_process("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--memory-budget", "lots")
     assert_one_line_error(proc, "memory budget 'lots'")
 
 
@@ -128,7 +131,7 @@ def test_info_reports_sizes(checkpoints) -> None:
     assert info["total_expert_bytes"] == 10 * 16 * info["bytes_per_expert"]
     depths = [fit["pinned_layers"] for fit in info["pinned_depths_that_fit"]]
     assert depths == [0, 1, 2, 3]  # 4 layers = 40% leaves no room for a streamed expert
-    text = run_cli("info", str(checkpoints["hub"]), "--memory-budget", "40%").stdout
+    text = run_cli_in_process("info", str(checkpoints["hub"]), "--memory-budget", "40%").stdout
     assert "0..3 layers fit" in text
 
 
