@@ -31,12 +31,14 @@ def run_cli_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     from vismmoe_edge.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    code = 0
+    code, threads = 0, torch.get_num_threads()  # a command may set the thread count: not for the tests after it
     with mock.patch.object(sys, "argv", ["vismmoe-edge", *args]), redirect_stdout(out), redirect_stderr(err):
         try:
             main()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1  # as the interpreter maps it
+        finally:
+            torch.set_num_threads(threads)
     return subprocess.CompletedProcess([*CLI, *args], code, out.getvalue(), err.getvalue())
 
 
@@ -89,7 +91,8 @@ def test_missing_directory() -> None:
 
 
 def test_not_a_model_directory(broken_models) -> None:
-    assert_one_line_error(run_cli("run", "--model", str(broken_models["not_a_model"]), "--prompt", "hi"), "config.json")
+    proc = run_cli_in_process("run", "--model", str(broken_models["not_a_model"]), "--prompt", "hi")
+    assert_one_line_error(proc, "config.json")  # the path of test_missing_directory's subprocess, one check later
 
 
 def test_corrupt_shard(broken_models) -> None:
@@ -103,7 +106,7 @@ def test_truncated_shard(broken_models) -> None:
 
 
 def test_unsupported_architecture(broken_models) -> None:
-    proc = run_cli("run", "--model", str(broken_models["unsupported"]), "--prompt", "hi")
+    proc = run_cli_in_process("run", "--model", str(broken_models["unsupported"]), "--prompt", "hi")  # as above
     assert_one_line_error(proc, "unsupported architecture LlamaForCausalLM")
 
 

@@ -44,15 +44,15 @@ def test_info_shows_bits_group_and_bytes_per_expert(quantized: Path) -> None:
     assert d["bytes_per_expert"] == d["quantization"]["bytes_per_expert"] == spec_bytes
     assert d["total_expert_bytes"] == spec_bytes * 16 * 2  # what budgets and the planner count
     assert d["dtype"] == "int4-g32" and d["expert_layout"] == "quantized"
-    text = run_cli("info", str(quantized)).stdout
+    text = run_cli_in_process("info", str(quantized)).stdout
     assert "quantized      int4, group 32" in text and f"{spec_bytes:,} B per expert" in text
 
 
 def test_quantize_refuses_bad_arguments_in_one_line(source: Path, tmp_path: Path) -> None:
     assert_one_line_error(run_cli("quantize", str(source), str(tmp_path / "a"), "--bits", "3"), "--bits 3")
-    proc = run_cli("quantize", str(source), str(tmp_path / "b"), "--bits", "4", "--group-size", "24")
+    proc = run_cli_in_process("quantize", str(source), str(tmp_path / "b"), "--bits", "4", "--group-size", "24")
     assert_one_line_error(proc, "--group-size 24 does not divide", "pick a divisor")
-    proc = run_cli("quantize", str(source), str(tmp_path / "c"), "--bits", "8", "--group-size", "32")
+    proc = run_cli_in_process("quantize", str(source), str(tmp_path / "c"), "--bits", "8", "--group-size", "32")
     assert_one_line_error(proc, "int8 is per output channel")
     assert not (tmp_path / "b").exists() and not any(tmp_path.iterdir())  # nothing half-written
 
