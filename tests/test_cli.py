@@ -1,7 +1,8 @@
 """The command line as a user meets it: real subprocesses, one-line errors, JSON output equal to transformers.
 
-Where one test makes a second call down a path its first subprocess already took (another bad image, another
-bad option of `run`, the text form of `info`), that call runs the CLI's main() in process (run_cli_in_process)."""
+Calls down a path a subprocess here already took (a second bad image or bad option of `run`, the text form of
+`info`, a model directory refused one check after a missing one) run the CLI's main() in process instead
+(run_cli_in_process): the same argv and assertions without an interpreter's start and imports."""
 
 from __future__ import annotations
 
