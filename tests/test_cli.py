@@ -1,12 +1,19 @@
-"""The command line as a user meets it: real subprocesses, one-line errors, JSON output equal to transformers."""
+"""The command line as a user meets it: real subprocesses, one-line errors, JSON output equal to transformers.
+
+Calls down a path a subprocess here already took (a second bad image or bad option of `run`, the text form of
+`info`, a model directory refused one check after a missing one) run the CLI's main() in process instead
+(run_cli_in_process): the same argv and assertions without an interpreter's start and imports."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +23,24 @@ CLI = [sys.executable, "-m", "vismmoe_edge.cli"]
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`main()`, the function `python -m vismmoe_edge.cli` calls, in this process: the same parsing, command and error
+    printing without the interpreter's start and its imports (~6 s a call here). For variants of an error whose
+    path a real subprocess already covers; an exception that escapes `main()` fails the test, as a traceback would."""
+    from vismmoe_edge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code, threads = 0, torch.get_num_threads()  # a command may set the thread count: not for the tests after it
+    with mock.patch.object(sys, "argv", ["vismmoe-edge", *args]), redirect_stdout(out), redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1  # as the interpreter maps it
+        finally:
+            torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([*CLI, *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -67,7 +92,8 @@ def test_missing_directory() -> None:
 
 
 def test_not_a_model_directory(broken_models) -> None:
-    assert_one_line_error(run_cli("run", "--model", str(broken_models["not_a_model"]), "--prompt", "hi"), "config.json")
+    proc = run_cli_in_process("run", "--model", str(broken_models["not_a_model"]), "--prompt", "hi")
+    assert_one_line_error(proc, "config.json")  # the path of test_missing_directory's subprocess, one check later
 
 
 def test_corrupt_shard(broken_models) -> None:
@@ -81,7 +107,7 @@ def test_truncated_shard(broken_models) -> None:
 
 
 def test_unsupported_architecture(broken_models) -> None:
-    proc = run_cli("run", "--model", str(broken_models["unsupported"]), "--prompt", "hi")
+    proc = run_cli_in_process("run", "--model", str(broken_models["unsupported"]), "--prompt", "hi")  # as above
     assert_one_line_error(proc, "unsupported architecture LlamaForCausalLM")
 
 
@@ -89,13 +115,13 @@ def test_bad_images(checkpoints, broken_models) -> None:
     model = str(checkpoints["v5"])
     proc = run_cli("run", "--model", model, "--prompt", "hi", "--image", str(broken_models["not_an_image"]))
     assert_one_line_error(proc, "fake.png", "not an image")
-    proc = run_cli("run", "--model", model, "--prompt", "hi", "--image", "/nonexistent/cat.jpg")
+    proc = run_cli_in_process("run", "--model", model, "--prompt", "hi", "--image", "/nonexistent/cat.jpg")
     assert_one_line_error(proc, "/nonexistent/cat.jpg", "not found")
 
 
 def test_empty_prompt_and_bad_budget(checkpoints) -> None:
     assert_one_line_error(run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "  "), "prompt is empty")
-    proc = run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--memory-budget", "lots")
+    proc = run_cli_in_process("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--memory-budget", "lots")
     assert_one_line_error(proc, "memory budget 'lots'")
 
 
@@ -109,7 +135,7 @@ def test_info_reports_sizes(checkpoints) -> None:
     assert info["total_expert_bytes"] == 10 * 16 * info["bytes_per_expert"]
     depths = [fit["pinned_layers"] for fit in info["pinned_depths_that_fit"]]
     assert depths == [0, 1, 2, 3]  # 4 layers = 40% leaves no room for a streamed expert
-    text = run_cli("info", str(checkpoints["hub"]), "--memory-budget", "40%").stdout
+    text = run_cli_in_process("info", str(checkpoints["hub"]), "--memory-budget", "40%").stdout
     assert "0..3 layers fit" in text
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.test_cli import assert_one_line_error, run_cli, run_cli_in_process
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.evaluation.routing_stats import top_share
 from vismmoe_edge.evaluation.scoring import Scoreboard, normalize_answer
@@ -216,6 +216,7 @@ def test_eval_command_on_user_folder(checkpoints: dict[str, Path], tmp_path: Pat
 
 def test_eval_command_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("eval"), "--benchmark")
-    assert_one_line_error(run_cli("eval", "--benchmark", "mmmu"), "unknown benchmark")
-    assert_one_line_error(run_cli("eval", "--benchmark", "shapes-vqa", "--split", "bogus"), "unknown split")
-    assert_one_line_error(run_cli("eval", "--data", str(tmp_path / "nope")), "not found")
+    # the same path as the subprocess above, in process (tests/test_cli.py, run_cli_in_process)
+    assert_one_line_error(run_cli_in_process("eval", "--benchmark", "mmmu"), "unknown benchmark")
+    assert_one_line_error(run_cli_in_process("eval", "--benchmark", "shapes-vqa", "--split", "bogus"), "unknown split")
+    assert_one_line_error(run_cli_in_process("eval", "--data", str(tmp_path / "nope")), "not found")

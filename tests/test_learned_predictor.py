@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vismmoe_edge
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.test_cli import assert_one_line_error, run_cli, run_cli_in_process
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.predict.calibration import CalibrationSet
 from vismmoe_edge.predict.checkpoint import save_checkpoint
@@ -69,7 +69,7 @@ def test_predictor_for_another_model_is_refused(model_with_predictor: Path, chec
 def test_learned_without_a_file_is_one_line(checkpoints: dict[str, Path]) -> None:
     proc = run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--predictor", "learned")
     assert_one_line_error(proc, "vismmoe-predictor.onnx")
-    proc = run_cli("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--predictor", "/nope.onnx")
+    proc = run_cli_in_process("run", "--model", str(checkpoints["v5"]), "--prompt", "hi", "--predictor", "/nope.onnx")
     assert_one_line_error(proc, "file not found")
 
 

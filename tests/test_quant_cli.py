@@ -1,6 +1,9 @@
 """`vismmoe-edge quantize` and `info` on quantized checkpoints as a user meets them (real subprocesses), and the bad
 inputs of a quantized checkpoint refused in one line each: corrupt and truncated shards, a group size that does
-not divide a dimension, unknown quantization configs, shapes that disagree with config.json."""
+not divide a dimension, unknown quantization configs, shapes that disagree with config.json.
+
+The config variants run the CLI's `main()` in this process (tests/test_cli.py, run_cli_in_process): the corrupt
+shard's real `info` subprocess already covers their path from the command to the printed line."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.test_cli import assert_one_line_error, run_cli, run_cli_in_process
 
 INDEX = "model.safetensors.index.json"
 
@@ -41,15 +44,15 @@ def test_info_shows_bits_group_and_bytes_per_expert(quantized: Path) -> None:
     assert d["bytes_per_expert"] == d["quantization"]["bytes_per_expert"] == spec_bytes
     assert d["total_expert_bytes"] == spec_bytes * 16 * 2  # what budgets and the planner count
     assert d["dtype"] == "int4-g32" and d["expert_layout"] == "quantized"
-    text = run_cli("info", str(quantized)).stdout
+    text = run_cli_in_process("info", str(quantized)).stdout
     assert "quantized      int4, group 32" in text and f"{spec_bytes:,} B per expert" in text
 
 
 def test_quantize_refuses_bad_arguments_in_one_line(source: Path, tmp_path: Path) -> None:
     assert_one_line_error(run_cli("quantize", str(source), str(tmp_path / "a"), "--bits", "3"), "--bits 3")
-    proc = run_cli("quantize", str(source), str(tmp_path / "b"), "--bits", "4", "--group-size", "24")
+    proc = run_cli_in_process("quantize", str(source), str(tmp_path / "b"), "--bits", "4", "--group-size", "24")
     assert_one_line_error(proc, "--group-size 24 does not divide", "pick a divisor")
-    proc = run_cli("quantize", str(source), str(tmp_path / "c"), "--bits", "8", "--group-size", "32")
+    proc = run_cli_in_process("quantize", str(source), str(tmp_path / "c"), "--bits", "8", "--group-size", "32")
     assert_one_line_error(proc, "int8 is per output channel")
     assert not (tmp_path / "b").exists() and not any(tmp_path.iterdir())  # nothing half-written
 
@@ -87,7 +90,7 @@ def test_a_truncated_quantized_shard_is_one_line(copy: Path) -> None:
 
 def test_a_group_size_that_does_not_divide_a_dimension_is_one_line(copy: Path) -> None:
     edit_config(copy, lambda c: c["quantization_config"].update(group_size=48))  # 128 % 48 != 0
-    assert_one_line_error(run_cli("info", str(copy)), "group_size 48 does not divide", "128 inputs")
+    assert_one_line_error(run_cli_in_process("info", str(copy)), "group_size 48 does not divide", "128 inputs")
 
 
 @pytest.mark.parametrize(
@@ -102,19 +105,20 @@ def test_a_group_size_that_does_not_divide_a_dimension_is_one_line(copy: Path) -
 )
 def test_an_unknown_quantization_config_is_one_line(copy: Path, change, needles) -> None:
     edit_config(copy, lambda c: change(c["quantization_config"]))
-    assert_one_line_error(run_cli("info", str(copy)), *needles)
+    assert_one_line_error(run_cli_in_process("info", str(copy)), *needles)
 
 
 def test_shapes_that_disagree_with_the_config_are_one_line(copy: Path) -> None:
     edit_config(copy, lambda c: c["text_config"].update(moe_intermediate_size=64))
-    assert_one_line_error(run_cli("info", str(copy)), "gate_up_proj.qweight is U8 [192, 64]", "implies U8 [128, 64]")
+    proc = run_cli_in_process("info", str(copy))
+    assert_one_line_error(proc, "gate_up_proj.qweight is U8 [192, 64]", "implies U8 [128, 64]")
 
 
 def test_a_dense_expert_left_in_a_quantized_checkpoint_is_one_line(copy: Path, source: Path) -> None:
     """A quantization_config over a dense checkpoint (someone copied config.json across)."""
     dense = Path(shutil.copytree(source, copy.parent / "dense"))
     shutil.copy(copy / "config.json", dense / "config.json")
-    assert_one_line_error(run_cli("info", str(dense)), "is a dense expert in a quantized checkpoint")
+    assert_one_line_error(run_cli_in_process("info", str(dense)), "is a dense expert in a quantized checkpoint")
 
 
 def test_the_planner_counts_quantized_bytes(quantized: Path, source: Path) -> None:

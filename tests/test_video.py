@@ -205,7 +205,11 @@ def test_run_takes_a_clip_and_refuses_past_the_bounds(tmp_path: Path) -> None:
 
     reply = json.loads(ok.stdout)
     assert reply["prompt_token_ids"].count(7) == 12  # <|video_pad|>: 2 frame pairs of 2x3 merged 32-pixel patches
-    over = run_cli("--video", str(path), "--video-fps", "5", "--video-max-frames", "8", "--prompt", "x")
+    from tests.test_cli import run_cli_in_process  # the same clip and path as the subprocess above
+
+    over = run_cli_in_process(
+        "run", "--video", str(path), "--video-fps", "5", "--video-max-frames", "8", "--prompt", "x"
+    )
     assert over.returncode == 2 and over.stderr.strip().splitlines()[-1] == (
         f"error: --video {path}: 2.0 s of video at 5 fps is 10 frames, more than the limit of 8; send a shorter "
         "clip or a lower fps"
