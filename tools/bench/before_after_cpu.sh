@@ -12,8 +12,9 @@ export OMP_NUM_THREADS=1
 for round in $(seq 1 "$ROUNDS"); do
     for side in before after; do
         tree=$BEFORE; [ "$side" = after ] && tree=$AFTER
-        t=$( { /usr/bin/time -f "%e %U %S" env PYTHONPATH="$tree" "$PY" -m vismmoe_edge.cli run \
-            --prompt "What colour is the circle?" > /dev/null 2> /tmp/before_after_run.err; } 2>&1 | tail -1 )
+        TIMEFORMAT="%R %U %S"  # wall, user and system seconds of the process (bash's `time`)
+        t=$( { time env PYTHONPATH="$tree" "$PY" -m vismmoe_edge.cli run --prompt "What colour is the circle?" \
+            > /dev/null 2> /tmp/before_after_run.err; } 2>&1 )
         echo "round $round $side readme wall_user_sys $t"
         for tier in host unified; do
             rate=$(env PYTHONPATH="$tree" "$PY" -m vismmoe_edge.cli bench --tokens 32 --repeats 3 --json \

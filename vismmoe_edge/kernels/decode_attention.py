@@ -6,10 +6,10 @@ at Qwen3-VL-30B-A3B shapes (32 query heads, 4 KV heads, d 128, capacity 1536, bf
 at HBM speed. Here the positions are cut into splits, one program per (KV head, split), so a few hundred
 programs share the cache's bytes:
 
-1. `_split_kernel`: each program takes its KV head's group of query heads (padded to 16 rows for tl.dot),
-   walks its split's blocks of positions up to `length` (read on the device: no host sync, and the grid is
-   fixed, so a CUDA graph captures it), with an online softmax in float32, P cast to V's dtype for P @ V as
-   flash attention does, and writes its partial max, sum and accumulator in float32;
+1. `_split_kernel` (in triton_decode.py): each program takes its KV head's group of query heads (padded to 16
+   rows for tl.dot), walks its split's blocks of positions up to `length` (read on the device: no host sync, and
+   the grid is fixed, so a CUDA graph captures it), with an online softmax in float32, P cast to V's dtype for
+   P @ V as flash attention does, and writes its partial max, sum and accumulator in float32;
 2. `_combine_kernel`: one program per query head rescales the splits' partials to their common max and sums.
 
 Measured on an H200 (tools/device/decode_checks.py, one layer in a CUDA graph, length capacity // 2): 7.0 us
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from vismmoe_edge.kernels.moe_decode import HAS_TRITON, INTERPRET
+from vismmoe_edge.kernels.moe_decode import INTERPRET
 
 BLOCK_N = 64  # positions per block
 TARGET_PROGRAMS = 128  # (KV head, split) programs aimed at: an H200 has 132 SMs
@@ -88,6 +88,8 @@ def _decode_attention(
 ) -> torch.Tensor:  # fmt: skip
     from torch.library import wrap_triton
 
+    from vismmoe_edge.kernels import triton_decode
+
     heads, kv_heads, capacity, d = q.shape[1], keys.shape[1], keys.shape[2], q.shape[3]
     group = heads // kv_heads
     split = -(-capacity // (splits * block_n)) * block_n  # positions per split, whole blocks
@@ -96,11 +98,13 @@ def _decode_attention(
     acc = torch.empty(heads, splits, d, dtype=torch.float32, device=q.device)
     out = torch.empty(1, heads, 1, d, dtype=q.dtype, device=q.device)
     rows = max(MIN_ROWS, 1 << (group - 1).bit_length())
-    wrap_triton(_split_kernel)[(kv_heads, splits)](
+    wrap_triton(triton_decode._split_kernel)[(kv_heads, splits)](
         q.contiguous(), keys, values, length, m, s, acc, capacity, split, SCALE_LOG2=scale * math.log2(math.e),
         GROUP=group, BLOCK_M=rows, BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32 or INTERPRET,
     )  # fmt: skip
-    wrap_triton(_combine_kernel)[(heads,)](m, s, acc, out, splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=d)
+    wrap_triton(triton_decode._combine_kernel)[(heads,)](
+        m, s, acc, out, splits, SPLITS_P2=1 << (splits - 1).bit_length(), D=d
+    )
     return out
 
 
@@ -114,68 +118,3 @@ def decode_attention(
     if splits is None:
         splits = num_splits(keys.shape[2], keys.shape[1], block_n)
     return _decode_attention(q, keys, values, length, scale, block_n, splits)
-
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    # fmt: off
-    @triton.jit
-    def _split_kernel(q, k, v, length, m_out, s_out, acc_out, capacity, split, SCALE_LOG2: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                      IEEE: tl.constexpr):
-        # fmt: on
-        # (the scale is a constant: inductor would pass a float argument as fp64, and the math would follow)
-        kv = tl.program_id(0)
-        sp = tl.program_id(1)
-        splits = tl.num_programs(1)
-        rows = tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        head = kv * GROUP + rows  # this KV head's query heads; rows >= GROUP are padding
-        qt = tl.load(q + head[:, None] * D + dims[None, :], mask=rows[:, None] < GROUP, other=0.0)
-        lo = sp * split
-        hi = tl.minimum(tl.minimum(lo + split, tl.load(length) + 1), capacity)  # blocks past `length`: not visited
-        base = kv.to(tl.int64) * capacity * D
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            visible = pos < hi
-            offs = base + pos[:, None].to(tl.int64) * D + dims[None, :]
-            kt = tl.load(k + offs, mask=visible[:, None], other=0.0)
-            if IEEE:  # float32 caches (no TF32 rounding), and the interpreter (its bf16 dot: above)
-                qk = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(qt, tl.trans(kt))
-            qk = tl.where(visible[None, :], qk * SCALE_LOG2, float("-inf"))  # log2 units: exp2 below
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            s_i = s_i * alpha + tl.sum(p, 1)
-            vt = tl.load(v + offs, mask=visible[:, None], other=0.0)
-            if IEEE:  # p rounded to V's dtype first, as the half-precision dot takes it
-                pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
-                acc = acc * alpha[:, None] + pv
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-        # a split wholly past `length` leaves max -inf, sum 0 and accumulator 0: weight 0 in the combine
-        part = head * splits + sp
-        tl.store(m_out + part, m_i, mask=rows < GROUP)
-        tl.store(s_out + part, s_i, mask=rows < GROUP)
-        tl.store(acc_out + part[:, None] * D + dims[None, :], acc, mask=rows[:, None] < GROUP)
-
-    @triton.jit
-    def _combine_kernel(m_in, s_in, acc_in, out, splits, SPLITS_P2: tl.constexpr, D: tl.constexpr):
-        head = tl.program_id(0)
-        sp = tl.arange(0, SPLITS_P2)
-        dims = tl.arange(0, D)
-        real = sp < splits
-        m = tl.load(m_in + head * splits + sp, mask=real, other=float("-inf"))
-        w = tl.exp2(m - tl.max(m, 0))  # split 0 always holds position 0, so the max is finite
-        total = tl.sum(tl.load(s_in + head * splits + sp, mask=real, other=0.0) * w, 0)
-        acc = tl.load(acc_in + (head * splits + sp)[:, None] * D + dims[None, :], mask=real[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / total
-        tl.store(out + head * D + dims, o.to(out.dtype.element_ty))

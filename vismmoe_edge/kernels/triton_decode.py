@@ -1,0 +1,90 @@
+"""The Triton kernels of the compiled decode token's attention (decode_attention.py) and router
+(decode_router.py), in a module of their own so that importing the engine does not import Triton (~1 s, and CPU
+hosts have none): the ops import it on their first call."""
+
+import triton
+import triton.language as tl
+
+
+# fmt: off
+@triton.jit
+def _split_kernel(q, k, v, length, m_out, s_out, acc_out, capacity, split, SCALE_LOG2: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  IEEE: tl.constexpr):
+    # fmt: on
+    # (the scale is a constant: inductor would pass a float argument as fp64, and the math would follow)
+    kv = tl.program_id(0)
+    sp = tl.program_id(1)
+    splits = tl.num_programs(1)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    head = kv * GROUP + rows  # this KV head's query heads; rows >= GROUP are padding
+    qt = tl.load(q + head[:, None] * D + dims[None, :], mask=rows[:, None] < GROUP, other=0.0)
+    lo = sp * split
+    hi = tl.minimum(tl.minimum(lo + split, tl.load(length) + 1), capacity)  # blocks past `length`: not visited
+    base = kv.to(tl.int64) * capacity * D
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        visible = pos < hi
+        offs = base + pos[:, None].to(tl.int64) * D + dims[None, :]
+        kt = tl.load(k + offs, mask=visible[:, None], other=0.0)
+        if IEEE:  # float32 caches (no TF32 rounding), and the interpreter (its bf16 dot: above)
+            qk = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(qt, tl.trans(kt))
+        qk = tl.where(visible[None, :], qk * SCALE_LOG2, float("-inf"))  # log2 units: exp2 below
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        s_i = s_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v + offs, mask=visible[:, None], other=0.0)
+        if IEEE:  # p rounded to V's dtype first, as the half-precision dot takes it
+            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    # a split wholly past `length` leaves max -inf, sum 0 and accumulator 0: weight 0 in the combine
+    part = head * splits + sp
+    tl.store(m_out + part, m_i, mask=rows < GROUP)
+    tl.store(s_out + part, s_i, mask=rows < GROUP)
+    tl.store(acc_out + part[:, None] * D + dims[None, :], acc, mask=rows[:, None] < GROUP)
+
+@triton.jit
+def _combine_kernel(m_in, s_in, acc_in, out, splits, SPLITS_P2: tl.constexpr, D: tl.constexpr):
+    head = tl.program_id(0)
+    sp = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, D)
+    real = sp < splits
+    m = tl.load(m_in + head * splits + sp, mask=real, other=float("-inf"))
+    w = tl.exp2(m - tl.max(m, 0))  # split 0 always holds position 0, so the max is finite
+    total = tl.sum(tl.load(s_in + head * splits + sp, mask=real, other=0.0) * w, 0)
+    acc = tl.load(acc_in + (head * splits + sp)[:, None] * D + dims[None, :], mask=real[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / total
+    tl.store(out + head * D + dims, o.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _topk_kernel(logits, index_out, weight_out, experts, K: tl.constexpr, BLOCK: tl.constexpr,
+                 K_P2: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    valid = offs < experts
+    z = tl.load(logits + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    e = tl.exp(z - tl.max(z, 0))
+    p = e / tl.sum(e, 0)  # float32 softmax, as transformers' router takes it
+    slots = tl.arange(0, K_P2)
+    index = tl.zeros((K_P2,), dtype=tl.int64)
+    top = tl.zeros((K_P2,), dtype=tl.float32)
+    left = tl.where(valid, p, -1.0)  # probabilities are >= 0: -1 marks what is taken or padding
+    for j in tl.static_range(K):
+        best = tl.max(left, 0)
+        at = tl.argmax(left, 0)  # the lowest index among equal maxima
+        index = tl.where(slots == j, at.to(tl.int64), index)
+        top = tl.where(slots == j, best, top)
+        left = tl.where(offs == at, -1.0, left)
+    weights = top / tl.sum(top, 0)  # slots past K hold 0
+    tl.store(index_out + slots, index, mask=slots < K)
+    tl.store(weight_out + slots, weights.to(weight_out.dtype.element_ty), mask=slots < K)
