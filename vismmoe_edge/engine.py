@@ -104,7 +104,7 @@ class Engine:
         self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
         # ... its layers compiled (kernels/decode_layer.py): "auto" (CUDA with Triton), True or "1", False or "0"
         self.compile_decode: bool | str = os.environ.get("VISMMOE_COMPILE_DECODE", "auto")
-        # ... launching each token before the host reads the one before it: "auto" (once every expert has a slot),
+        # ... launching each token before the host reads the one before it: "auto" (the pool holds every expert),
         # "on" (also where tokens may miss: the CPU tests of the discard path), "off"
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
@@ -117,8 +117,8 @@ class Engine:
         rt = self.experts
         if rt.predictor_worker is not None:
             rt.predictor_worker.close()
-        for decoder in self._decoders.values():  # a token still in flight may read the slots
-            decoder.settle() if decoder.on_device else None
+        for decoder in [d for d in self._decoders.values() if d.on_device]:  # a token in flight reads the slots
+            decoder.settle()
         rt.pipeline.close()
         self._decoders.clear()
         if self.prefix_cache is not None:
