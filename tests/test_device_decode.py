@@ -309,11 +309,11 @@ def test_fused_int8_gemv_matches_the_dequantized_weights_in_the_interpreter() ->
     slots, weights = torch.tensor([[5, 0, 3, 2]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     ref = reference(x.float(), slots, weights, dense)
     for act in (F.silu, F.gelu):  # SiLU folded into the down GEMV; another activation between the two
-        out = md.fused_decode_int8(x, slots, weights, records, form, act)
+        out = md.fused_decode_records(x, slots, weights, records, form, act)
         want = ref if act is F.silu else md.decode_quantized(x.float(), slots, weights, records, form, act).float()
         assert rel(out, want) < 2e-2, act
     # float32 activations keep the inner activation unrounded: the kernel is the dequantized float computation
-    out = md.fused_decode_int8(x.float(), slots, weights, records, form, F.silu)
+    out = md.fused_decode_records(x.float(), slots, weights, records, form, F.silu)
     assert rel(out, ref) < 1e-5
 
 

@@ -12,31 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
+from tests.test_quant_pool import SLOTS, make_pool
 from vismmoe_edge.experts.tiers.quant_slots import triton_int4_slots
 from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.quant.config import make_config
-from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, dequantize_expert, expert_views
+from vismmoe_edge.quant.kernels import CUDA_TINYGEMM
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
-from vismmoe_edge.quant.record import ExpertSpec, encode_expert
+from vismmoe_edge.quant.record import ExpertSpec
 from vismmoe_edge.quant.slot_form import MATRICES, SlotForm
 
-SLOTS = 6
 CUDA = torch.device("cuda")  # a device object only: the forms are chosen without a GPU
 interpreter = pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
 
 
 def make_records(hidden: int, inter: int, group: int, layout: str = ROWMAJOR, seed: int = 0):  # type: ignore[no-untyped-def]
     """SLOTS random int4 experts as records [SLOTS, nbytes] in `layout`, and their dequantized float32 weights."""
-    spec = ExpertSpec(make_config(4, group, layout), hidden, inter)
-    g = torch.Generator().manual_seed(seed)
-    records, dense = [], []
-    for _ in range(SLOTS):
-        gate_up = torch.randn(2 * inter, hidden, generator=g) * 0.05
-        down = torch.randn(hidden, inter, generator=g) * 0.05
-        buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in encode_expert(spec, gate_up, down)])
-        records.append(buf)
-        dense.append(dequantize_expert(expert_views(buf, spec)))
-    return spec, torch.stack(records), dense
+    return make_pool(4, layout, seed, hidden=hidden, inter=inter, group=group)
 
 
 def expert_rows(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, dense: list, act) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -126,10 +117,10 @@ def test_fused_int4_gemv_matches_the_dequantized_weights_in_the_interpreter(
     slots, weights = torch.tensor([[5, 0, 3, 2]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     for act in (F.silu, F.gelu):  # SiLU folded into the down GEMV; another activation between the two
         want = expert_rows(x, slots, weights, dense, act)
-        rows = md.fused_decode_int4(x, slots, weights, records, form, act, summed=False)
+        rows = md.fused_decode_records(x, slots, weights, records, form, act, summed=False)
         assert rows.shape == want.shape and rows.dtype == torch.float32
         assert rel(rows, want) < 2e-2, act  # bf16 inputs and inner activation (docs/quantization.md)
-        out = md.fused_decode_int4(x, slots, weights, records, form, act)
+        out = md.fused_decode_records(x, slots, weights, records, form, act)
         assert out.dtype == x.dtype and rel(out, rows.sum(0, keepdim=True)) < 1e-2  # the rows sum to it
         if act is F.silu:  # pool_decode picks the kernel
             pool = SimpleNamespace(form=form, records=records)
@@ -145,7 +136,7 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
     slots, weights = torch.tensor([[1, 4]]), torch.tensor([[0.7, 0.3]])
     want = expert_rows(x, slots, weights, dense, F.silu).sum(0, keepdim=True)
-    out = md.fused_decode_int4(x, slots, weights, records, form, F.silu)
+    out = md.fused_decode_records(x, slots, weights, records, form, F.silu)
     assert rel(out, want) < 1e-5  # float32 all the way: only the order of the sums differs
     pool = SimpleNamespace(form=form, records=records)
     layer = SimpleNamespace(runtime=SimpleNamespace(pipeline=SimpleNamespace(tier=SimpleNamespace(pool=pool))),

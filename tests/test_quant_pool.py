@@ -21,14 +21,16 @@ from vismmoe_edge.quant.slot_form import SlotForm
 HIDDEN, INTER, SLOTS, K = 128, 96, 6, 4
 
 
-def make_pool(bits: int, layout: str, seed: int = 0) -> tuple[ExpertSpec, torch.Tensor, list]:
+def make_pool(
+    bits: int, layout: str, seed: int = 0, *, hidden: int = HIDDEN, inter: int = INTER, group: int = 32
+) -> tuple[ExpertSpec, torch.Tensor, list]:
     """SLOTS random experts as records in one [SLOTS, nbytes] tensor, and their dequantized float32 weights."""
-    spec = ExpertSpec(make_config(bits, 32 if bits == 4 else None, layout), HIDDEN, INTER)
+    spec = ExpertSpec(make_config(bits, group if bits == 4 else None, layout), hidden, inter)
     g = torch.Generator().manual_seed(seed)
     records, dense = [], []
     for _ in range(SLOTS):
-        gate_up = torch.randn(2 * INTER, HIDDEN, generator=g) * 0.05
-        down = torch.randn(HIDDEN, INTER, generator=g) * 0.05
+        gate_up = torch.randn(2 * inter, hidden, generator=g) * 0.05
+        down = torch.randn(hidden, inter, generator=g) * 0.05
         buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in encode_expert(spec, gate_up, down)])
         records.append(buf)
         dense.append(dequantize_expert(expert_views(buf, spec)))

@@ -14,12 +14,15 @@ import torch
 
 
 class Checks:
-    def __init__(self, quick: bool = False, *, needs_cuda: bool = True) -> None:
+    def __init__(self, quick: bool = False, *, needs_cuda: bool = True, only: str | None = None) -> None:
         self.results: list[dict[str, Any]] = []
         self.quick = quick
         self.cuda = torch.cuda.is_available() or not needs_cuda  # a CPU dry run runs the CUDA checks on the CPU
+        self.only = only  # run only the checks whose name contains this
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]], *, needs_cuda: bool = True) -> dict[str, Any]:
+        if self.only is not None and self.only not in name:
+            return {}
         if needs_cuda and not self.cuda:
             self.results.append({"name": name, "status": "skipped", "reason": "no CUDA device"})
             return self.results[-1]

@@ -269,7 +269,7 @@ def int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type:
         rows.append(torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]))
     records = torch.stack(rows).to(gate_up.device)
     form = SlotForm.for_device(spec, gate_up.device)
-    fused = lambda: md.fused_decode_int8(x, sel, w, records, form, F.silu)  # noqa: E731
+    fused = lambda: md.fused_decode_records(x, sel, w, records, form, F.silu)  # noqa: E731
     dequant = lambda: decode_quantized(x, sel, w, records, form, F.silu)  # noqa: E731
     ref_w = [dequantize_expert(expert_views(records[s].cpu(), spec)) for s in sel[0].tolist()]
     ref = torch.zeros(1, hidden)
@@ -313,7 +313,7 @@ def int4_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type:
     bound_us = sel.shape[1] * spec.nbytes / hbm * 1e6
     out["int4_byte_bound_us"] = bound_us
     if md.use_triton_int4(records, form):
-        fused = lambda: md.fused_decode_int4(x, sel, w, records, form, F.silu)  # noqa: E731
+        fused = lambda: md.fused_decode_records(x, sel, w, records, form, F.silu)  # noqa: E731
         out["int4_relative_error"] = float((fused().float().cpu() - ref).abs().max() / ref.abs().max())
         out["int4_us"] = timed(in_graph(fused))
         out["int4_over_bound"] = out["int4_us"] / bound_us

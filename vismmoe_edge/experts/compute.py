@@ -111,10 +111,11 @@ class OffloadedExperts(nn.Module):
         pool = self.runtime.pipeline.tier.pool
         if getattr(pool, "form", None) is not None:  # quantized records (experts/tiers/quant_slots.py)
             if x.shape[0] == 1 and pool.form.triton_int4:  # int4 slots for the Triton GEMV: torch has no kernel
-                from vismmoe_edge.kernels.moe_decode import fused_decode_int4, use_triton_int4  # kernels uses experts
+                # imported here: kernels/ imports experts/
+                from vismmoe_edge.kernels.moe_decode import fused_decode_records, use_triton_int4
 
                 if use_triton_int4(pool.records, pool.form):
-                    return fused_decode_int4(x, slots, weights, pool.records, pool.form, self.act_fn)
+                    return fused_decode_records(x, slots, weights, pool.records, pool.form, self.act_fn)
             return pool_forward(x, slots, weights, pool.records, pool.form, self.act_fn)
         if x.shape[0] == 1:
             return decode_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn)

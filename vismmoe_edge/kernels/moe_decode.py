@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
-from vismmoe_edge.kernels.moe_int4 import ROUNDING, gemv_int4
+from vismmoe_edge.kernels.moe_int4 import ROUNDING, blocks, gemv_int4, grid
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -72,10 +72,8 @@ def pool_decode(
     where it can fuse the sum (kernels/decode_layer.py); the others [1, H] as ever."""
     form = getattr(pool, "form", None)
     if form is not None:
-        if use_triton_int8(pool.records, form):
-            return fused_decode_int8(x, slots, weights, pool.records, form, act, summed=summed)
-        if use_triton_int4(pool.records, form):
-            return fused_decode_int4(x, slots, weights, pool.records, form, act, summed=summed)
+        if use_triton_int8(pool.records, form) or use_triton_int4(pool.records, form):
+            return fused_decode_records(x, slots, weights, pool.records, form, act, summed=summed)
         return decode_quantized(x, slots, weights, pool.records, form, act)
     if use_triton(pool.gate_up):
         return fused_decode(x, slots, weights, pool.gate_up, pool.down, act, summed=summed)
@@ -155,7 +153,7 @@ def fused_decode(
     return y.sum(0, keepdim=True).to(x.dtype) if summed else y
 
 
-def fused_decode_int8(
+def fused_decode_records(
     x: torch.Tensor,
     slots: torch.Tensor,
     weights: torch.Tensor,
@@ -165,33 +163,20 @@ def fused_decode_int8(
     *,
     summed: bool = True,
 ) -> torch.Tensor:
-    """The Triton path over int8 records [S, nbytes]: codes and row scales read in place from each slot's record,
-    dequantized in registers (w = code * scale, summed in float32)."""
-    fields = {f.name: f for f in form.spec.fields}
-    matrices = [SlotMatrix.of_int8(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
-                                   fields[f"{m}.scales"].offset) for m in ("gate_up_proj", "down_proj")]  # fmt: skip
+    """The Triton path over quantized records [S, nbytes] (use_triton_int8, use_triton_int4): codes and scales
+    read in place from each slot's record and dequantized in registers, summed in float32 (int8: w = code *
+    scale; int4 in row-major nibbles: w = (code - 8) * scale + zero per group)."""
+    matrices = [_record_matrix(records, form, m) for m in ("gate_up_proj", "down_proj")]
     y = _two_gemvs(x, slots, weights, act, *matrices)
     return y.sum(0, keepdim=True).to(x.dtype) if summed else y
 
 
-def fused_decode_int4(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    records: torch.Tensor,
-    form: Any,
-    act: Act,
-    *,
-    summed: bool = True,
-) -> torch.Tensor:
-    """The Triton path over int4 records [S, nbytes] in row-major nibbles (use_triton_int4): nibbles, group
-    scales and zeros read in place from each slot's record (w = (code - 8) * scale + zero, summed in float32)."""
-    fields, group = {f.name: f for f in form.spec.fields}, form.spec.quant.group_size
-    matrices = [SlotMatrix.of_int4(records, form.spec.matrices[m], fields[f"{m}.qweight"].offset,
-                                   fields[f"{m}.scales_zeros"].offset, group)
-                for m in ("gate_up_proj", "down_proj")]  # fmt: skip
-    y = _two_gemvs(x, slots, weights, act, *matrices)
-    return y.sum(0, keepdim=True).to(x.dtype) if summed else y
+def _record_matrix(records: torch.Tensor, form: Any, name: str) -> SlotMatrix:
+    offsets = {f.name: f.offset for f in form.spec.fields}
+    shape, codes, quant = form.spec.matrices[name], offsets[f"{name}.qweight"], form.spec.quant
+    if quant.bits == 8:
+        return SlotMatrix.of_int8(records, shape, codes, offsets[f"{name}.scales"])
+    return SlotMatrix.of_int4(records, shape, codes, offsets[f"{name}.scales_zeros"], quant.group_size)
 
 
 @dataclass(frozen=True)
@@ -256,24 +241,11 @@ def gemv(
         return gemv_int4(w, slot_ids, v, mix, silu_of=silu_of)
     k = slot_ids.shape[0]
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
-    _kernels()[0][_grid(k, w.n)](
+    _kernels()[0][grid(k, w.n)](
         w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.stride_row, w.q_off, w.s_off,
-        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), INT8=w.int8, **_blocks(w.k),
+        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), INT8=w.int8, **blocks(w.k),
     )  # fmt: skip
     return out
-
-
-def _grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
-    return lambda meta: (k, -(-n // meta["BLOCK_N"]))
-
-
-def _blocks(kk: int) -> dict[str, int]:
-    """Fixed blocks in the interpreter (the CPU tests); on the GPU the autotuner picks them per shape."""
-    if not INTERPRET:
-        return {}
-    import triton
-
-    return {"BLOCK_N": 32, "BLOCK_K": 256 if kk >= 256 else triton.next_power_of_2(kk)}
 
 
 _compiled: tuple | None = None

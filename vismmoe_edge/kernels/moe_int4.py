@@ -1,4 +1,4 @@
-"""The Triton GEMV over int4 expert records, read in place from the slot pool (moe_decode.fused_decode_int4).
+"""The Triton GEMV over int4 expert records, read in place from the slot pool (moe_decode.fused_decode_records).
 
 A slot holds the record of quant/record.py with its codes in row-major nibbles (packing.ROWMAJOR: byte j of
 row n = code[n, 2j] | code[n, 2j+1] << 4; slot_form.SlotForm.for_device(..., triton=True)) and the scales as
@@ -37,18 +37,19 @@ def gemv_int4(
     silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
     k = slot_ids.shape[0]
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
-    _kernel()[_grid(k, w.n)](
+    _kernel()[grid(k, w.n)](
         w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
-        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), **_blocks(w.k),
+        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), **blocks(w.k),
     )  # fmt: skip
     return out
 
 
-def _grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
+def grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
+    """One program per (expert, block of rows): the grid of every slot GEMV here and in moe_decode.py."""
     return lambda meta: (k, -(-n // meta["BLOCK_N"]))
 
 
-def _blocks(kk: int) -> dict[str, int]:
+def blocks(kk: int) -> dict[str, int]:
     """Fixed blocks in the interpreter (the CPU tests); on the GPU the autotuner picks them per shape."""
     if not INTERPRET:
         return {}
