@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from vismmoe_edge.kernels.moe_decode import INTERPRET
+from vismmoe_edge.kernels.moe_decode import INTERPRET, triton_op
 
 BLOCK_N = 64  # positions per block
 TARGET_PROGRAMS = 128  # (KV head, split) programs aimed at: an H200 has 132 SMs
@@ -81,7 +81,7 @@ def decode_attention_reference(
     return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
-@torch.library.triton_op("vismmoe_edge::decode_attention", mutates_args=())
+@triton_op("vismmoe_edge::decode_attention")
 def _decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, scale: float, block_n: int,
     splits: int,

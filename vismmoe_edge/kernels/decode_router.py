@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from vismmoe_edge.kernels.moe_decode import triton_op
+
 
 def route_topk_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, E] -> (index [1, k] long, weights [1, k] in logits' dtype): transformers' router after its GEMV."""
@@ -23,7 +25,7 @@ def route_topk_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     return index, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
-@torch.library.triton_op("vismmoe_edge::route_topk", mutates_args=())
+@triton_op("vismmoe_edge::route_topk")
 def _route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from torch.library import wrap_triton
 

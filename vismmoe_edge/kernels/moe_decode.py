@@ -38,6 +38,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def triton_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`torch.library.triton_op(name)` where Triton is installed. Without it the plain function: torch's decorator
+    would log "Triton not available" on every import (stderr a CLI's one-line errors must not carry), and every
+    caller checks HAS_TRITON first."""
+    if HAS_TRITON:
+        return torch.library.triton_op(name, mutates_args=())
+    return lambda fn: fn
+
+
 def moe_decode(
     x: torch.Tensor,
     index: torch.Tensor,
