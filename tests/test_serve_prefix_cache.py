@@ -63,6 +63,8 @@ def test_second_question_reuses_the_frame(server: Server, frames: list[Path]) ->
         assert b["timings"]["prefix_reused_tokens"] > 64 and b["timings"]["vision_cached_images"] == 1
         assert c["timings"]["prefix_reused_tokens"] == 0 and c["timings"]["vision_cached_images"] == 0
         assert b["tokens"] == c["tokens"]  # the reused prefill gives the cold prefill's tokens
+        # the same bytes again: the frame is neither decoded nor processed (seen_frames.py); opted out, it is
+        assert [r["timings"]["frames_seen"] for r in (a, b, c)] == [0, 1, 0]
     cold = statistics.median(r["timings"]["prefill_s"] for r in first)
     warm = statistics.median(r["timings"]["prefill_s"] for r in second)
     assert warm < 0.6 * cold, (warm, cold)  # ~0.2 measured (docs/benchmarks.md); loose for a shared CI machine
@@ -75,6 +77,7 @@ def test_second_question_reuses_the_frame(server: Server, frames: list[Path]) ->
     assert grew('vismmoe_prefix_cache_hits_total{kind="prefix"}') == 3  # the second question of each frame
     assert grew('vismmoe_prefix_cache_misses_total{kind="prefix"}') == 3  # the first; opted-out ones count nothing
     assert grew('vismmoe_prefix_cache_hits_total{kind="vision"}') == 3
+    assert grew("vismmoe_prefix_cache_seen_frames_total") == 3
     assert grew("vismmoe_prefix_cache_reused_tokens_total") == sum(r["timings"]["prefix_reused_tokens"] for r in second)
     assert 0 < after["vismmoe_prefix_cache_bytes"] <= after["vismmoe_prefix_cache_capacity_bytes"]
     assert after["vismmoe_prefix_cache_entries"] == 6  # per frame: its vision features and one prefix

@@ -210,7 +210,7 @@ class Engine:
         lm = self.language_model
         input_ids = inputs.input_ids.to(self.device)
         video = inputs.pixel_values_videos is not None
-        compress = self.compression.method != "none" and inputs.pixel_values is not None and not video
+        compress = self.compression.method != "none" and inputs.has_images and not video
         cache_on = self.prefix_cache is not None and use_cache
         # Under compression the layers after the pinned prefix run on a shortened sequence chosen from the whole
         # prompt, so no prefix KV is reused or kept; a replayed trace is indexed by prompt position. Clips are
@@ -218,7 +218,7 @@ class Engine:
         replayed = self.experts.replay is not None
         reuse_kv = cache_on and not compress and not replayed and not has_video(self.model.config, input_ids)
         keys: list[str] = []
-        if cache_on and inputs.pixel_values is not None and not video:
+        if cache_on and inputs.has_images and not video:
             keys = inputs.image_keys or patch_keys(inputs, self.prefix_cache.salt)  # type: ignore[union-attr]
         content = None
         if reuse_kv:
@@ -237,12 +237,14 @@ class Engine:
             self.last_compression = CompressionReport(method=self.compression.method, note=note)
         self.interest_rows = self.visual_summary = None
         saliency = None
-        if inputs.pixel_values is not None or video:
+        if inputs.has_images or video:
             start = time.perf_counter()
-            grid = inputs.image_grid_thw.to(self.device) if inputs.pixel_values is not None else None
+            grid = inputs.image_grid_thw.to(self.device) if inputs.has_images else None
             if compress and self.compression.needs_saliency:
                 saliency = self.ops.saliency(self.model, grid)  # hooks the family's vision tower during the forward
-            visual = cached_vision(self.prefix_cache, keys) if keys and saliency is None else None  # type: ignore[arg-type]
+            visual = inputs.vision  # a seen frame's, taken at encoding (seen_frames.py)
+            if visual is None and keys and saliency is None:
+                visual = cached_vision(self.prefix_cache, keys)  # type: ignore[arg-type]
             if visual is None:
                 with saliency if saliency is not None else contextlib.nullcontext():
                     visual, full_mask = visual_features(self.ops, self.model, inputs, input_ids, grid, self.dtype)

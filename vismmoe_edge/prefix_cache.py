@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (a chat template's opening) is not worth a lookup or an entry
+MAX_FRAMES = 1024  # encoded images remembered (seen_frames.py): ~0.2 KB each, outside the byte bound
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class CacheStats:
     reused_tokens: int = 0
     evictions: int = 0
     too_large: int = 0  # entries larger than the whole bound, never stored
+    frame_hits: int = 0  # images taken by their encoded bytes: neither decoded nor processed (seen_frames.py)
     bytes: int = 0
     entries: int = 0
     capacity_bytes: int = 0
@@ -127,6 +129,7 @@ class PrefixCache:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stats: CacheStats = field(default_factory=CacheStats)
     _serial: int = 0
+    _frames: OrderedDict[str, tuple[str, tuple[int, ...]]] = field(default_factory=OrderedDict)
 
     # ---- reading ---------------------------------------------------------------------------------------
     def vision(self, keys: list[str]) -> list[CachedVision] | None:
@@ -161,6 +164,16 @@ class PrefixCache:
             self._stats.reused_tokens += reuse
             return best[1], reuse  # type: ignore[return-value]
 
+    def frame(self, frame_key: str) -> tuple[str, tuple[int, ...]] | None:
+        """(pixels key, grid) of an image seen by its encoded bytes, while its vision features are held."""
+        with self._lock:
+            seen = self._frames.get(frame_key)
+            if seen is None or ("vision", seen[0]) not in self._entries:
+                return None
+            self._frames.move_to_end(frame_key)
+            self._stats.frame_hits += 1
+            return seen
+
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(**self._stats.as_dict())
@@ -190,8 +203,16 @@ class PrefixCache:
             entry = CachedPrefix(content.clone(), tuple(keys), tuple(values))
             self._put(("prefix", str(self._serial)), entry)
 
+    def remember_frame(self, frame_key: str, pixels_key: str, grid: tuple[int, ...]) -> None:
+        with self._lock:
+            self._frames[frame_key] = (pixels_key, grid)
+            self._frames.move_to_end(frame_key)
+            while len(self._frames) > MAX_FRAMES:
+                self._frames.popitem(last=False)
+
     def clear(self) -> None:
         with self._lock:
+            self._frames.clear()
             self._entries.clear()
             self._stats.bytes = self._stats.entries = 0
 

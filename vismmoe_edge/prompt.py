@@ -26,6 +26,11 @@ class PromptInputs:
     pixel_values_videos: torch.Tensor | None = None  # [patches, C*T*P*P], every clip's
     video_grid_thw: torch.Tensor | None = None  # [videos, 3]
     image_keys: list[str] | None = None  # each image's prefix-cache address, when the engine computed it
+    vision: Any = None  # the images' cached VisualFeatures when no pixels were processed (seen_frames.py)
+
+    @property
+    def has_images(self) -> bool:
+        return self.pixel_values is not None or self.vision is not None
 
     @property
     def num_tokens(self) -> int:

@@ -105,6 +105,12 @@ def prefix_cache_samples(cache: Any) -> list[Sample]:
         ("vismmoe_prefix_cache_misses_total", "counter", "requests that found nothing to reuse", missed),
         ("vismmoe_prefix_cache_reused_tokens_total", "counter", "prompt tokens not prefilled", [({}, s.reused_tokens)]),
         (
+            "vismmoe_prefix_cache_seen_frames_total",
+            "counter",
+            "images taken by their encoded bytes, neither decoded nor processed",
+            [({}, s.frame_hits)],
+        ),
+        (
             "vismmoe_prefix_cache_evictions_total",
             "counter",
             "entries evicted, least recently used",

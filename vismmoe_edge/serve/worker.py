@@ -241,7 +241,8 @@ class Worker:
             job.emit("started")
             completion = self.generate(job, inputs)
             seconds = time.monotonic() - start
-            completion.timings |= {"queue_s": start - job.queued_at, "service_s": seconds}
+            seen = len(inputs.image_keys or []) if inputs.vision is not None else 0  # seen_frames.py
+            completion.timings |= {"queue_s": start - job.queued_at, "service_s": seconds, "frames_seen": seen}
             self.metrics.record_generation(completion, seconds)
             with self.lock:
                 self.admission.times.add(seconds)
@@ -262,15 +263,18 @@ class Worker:
                 self.running = None
 
     def encode(self, request: ChatRequest) -> PromptInputs:
-        """Decode the images (only now: one request's pixels at a time) and build the prompt; check its length."""
-        images = [decode(image) for image in request.images]
-        clips = [decode_video(video) for video in request.videos]
-        try:
-            inputs = self.engine.encode_messages(request.messages, images, clips)
-        except (VismmoeError, ValueError) as e:
-            raise bad_request(f"cannot build the prompt: {e}", "messages") from None
-        finally:
-            del images, clips
+        """Decode the images (only now: one request's pixels at a time) and build the prompt; check its length.
+        Images seen before, whose vision features are still cached, are neither decoded nor processed."""
+        from vismmoe_edge import seen_frames  # the engine's torch side: this module stays importable without it
+
+        datas = [image.data for image in request.images]
+        videos = len(request.videos)
+        fast = request.prefix_cache and seen_frames.applies(self.engine, request.messages, len(datas), videos)
+        inputs = seen_frames.encode_seen(self.engine, request.messages, datas) if fast else None
+        if inputs is None:
+            inputs = self.decode_and_encode(request)
+            if fast:
+                seen_frames.remember(self.engine, datas, inputs)
         n = inputs.num_tokens
         if n > self.limits.max_prompt_tokens:
             raise bad_request(
@@ -286,6 +290,16 @@ class Worker:
                 "context_length_exceeded",
             )
         return inputs
+
+    def decode_and_encode(self, request: ChatRequest) -> PromptInputs:
+        images = [decode(image) for image in request.images]
+        clips = [decode_video(video) for video in request.videos]
+        try:
+            return self.engine.encode_messages(request.messages, images, clips)
+        except (VismmoeError, ValueError) as e:
+            raise bad_request(f"cannot build the prompt: {e}", "messages") from None
+        finally:
+            del images, clips
 
     def should_stop(self, job: Job) -> bool:
         """Polled by the engine between tokens, so it also carries the watchdog ping of a healthy decode."""

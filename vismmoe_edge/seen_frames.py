@@ -1,0 +1,80 @@
+"""A frame the daemon has seen: its next question is built without decoding or processing the image again.
+
+A robot asks several questions of one camera frame, and sends the same encoded bytes each time. Once a request
+has been prefilled, its image's vision features are in the prefix cache (prefix_cache.py) under the key of its
+decoded pixels. Here the *encoded* bytes are remembered too, with that key and the image's grid. A later request
+with the same bytes, while the features are still cached, skips the PNG/JPEG decode, the processor's resize and
+normalisation and the pixel hash (together most of what a warm request still cost: docs/benchmarks.md, "One
+frame, many questions"): its prompt is the chat template's text with each image placeholder expanded to the
+image's visual-token count, as the processor expands it, then tokenized.
+
+Only for Qwen3-VL-MoE's processor (the one whose expansion this mirrors; tests/test_seen_frames.py checks the
+ids against the processor's), without video, and without a compressor that needs the vision tower's attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from vismmoe_edge.models.ops import VisualFeatures
+from vismmoe_edge.prefix_cache import PrefixCache, processor_settings
+from vismmoe_edge.prefix_keys import cached_vision
+from vismmoe_edge.prompt import PromptInputs, count_parts
+
+FAMILY = "qwen3_vl_moe"
+
+
+def frame_key(cache: PrefixCache, processor: Any, data: bytes) -> str:
+    """The address of an image as received: its encoded bytes, the processor's settings and the model's salt."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((cache.salt + processor_settings(processor)).encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def applies(engine: Any, messages: list[dict[str, Any]], num_images: int, num_videos: int) -> bool:
+    return (
+        engine.prefix_cache is not None
+        and engine.ops.model_type == FAMILY
+        and num_images > 0
+        and num_videos == 0
+        and count_parts(messages, "video") == 0
+        and not engine.compression.needs_saliency
+    )
+
+
+def encode_seen(engine: Any, messages: list[dict[str, Any]], datas: list[bytes]) -> PromptInputs | None:
+    """The prompt for `messages` whose images are `datas` (encoded bytes, in order), or None unless every image
+    was seen and its vision features are still cached: the caller then decodes and processes as usual. The
+    features are taken now and travel with the inputs, so an eviction before the prefill cannot lose them."""
+    cache, processor = engine.prefix_cache, engine.processor
+    seen = [cache.frame(frame_key(cache, processor, data)) for data in datas]
+    if any(s is None for s in seen) or count_parts(messages, "image") != len(datas):
+        return None
+    keys = [s[0] for s in seen]  # type: ignore[index]
+    grid = torch.tensor([s[1] for s in seen], dtype=torch.long)  # type: ignore[index]
+    visual: VisualFeatures | None = cached_vision(cache, keys)
+    if visual is None:
+        return None
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = text.split(processor.image_token)
+    if len(parts) != len(datas) + 1:
+        return None  # a template that writes the placeholder other than once per image part
+    merge = processor.image_processor.merge_size
+    counts = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
+    expanded = parts[0] + "".join(processor.image_token * n + part for n, part in zip(counts, parts[1:], strict=True))
+    input_ids = processor.tokenizer([expanded], return_tensors="pt")["input_ids"]
+    mm_types = torch.as_tensor(processor.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)
+    return PromptInputs(input_ids, None, grid, mm_types, image_keys=keys, vision=visual)
+
+
+def remember(engine: Any, datas: list[bytes], inputs: PromptInputs) -> None:
+    """After a request was encoded the usual way: its images' bytes stand for their pixel keys and grids."""
+    if inputs.image_keys is None or inputs.image_grid_thw is None or len(inputs.image_keys) != len(datas):
+        return
+    cache, processor = engine.prefix_cache, engine.processor
+    for data, key, grid in zip(datas, inputs.image_keys, inputs.image_grid_thw.tolist(), strict=True):
+        cache.remember_frame(frame_key(cache, processor, data), key, tuple(grid))
