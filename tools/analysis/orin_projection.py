@@ -27,7 +27,7 @@ With `--trace PATH` too (a routing trace given by path, e.g. the DeepSeek-V2-Lit
 miss figure comes from real routing: each board row's plan (its pinned-layer count, and its cache's share of the
 streamed layers' experts) is replayed on the trace with the engine's default eviction ("popularity",
 experts/pipeline.py; LRU beside it), token by token, warm across prompts; the hit rate over the trace's streamed
-layers gives misses per token = (1 - hit) x top-8 x the 45 streamed layers x the checkpoint's expert record.
+layers gives misses per token = (1 - hit) x top-8 x (48 - pinned) layers x the checkpoint's expert record.
 
     python3 tools/analysis/orin_projection.py --measured board_proxy.json --trace PATH [--trace-max-tokens N]
 """
