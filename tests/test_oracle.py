@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vismmoe_edge.experts.oracle import belady, expert_access_sequence, lru, next_use, oracle_bound, split_keys
+from vismmoe_edge.experts.oracle import (
+    belady,
+    expert_access_sequence,
+    layer_steps,
+    lru,
+    next_use,
+    oracle_bound,
+    popularity,
+    split_keys,
+)
 from vismmoe_edge.trace import RoutingTrace, synthetic_trace
 
 
@@ -173,3 +182,31 @@ def test_trace_stats_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(table) == 3 and table[2].startswith("| 12 | 50.0% |")
     assert module.main([str(tmp_path / "missing.npz"), "--capacity-experts", "4", "--expert-bytes", "1"]) == 2
+
+
+def test_popularity_keeps_the_frequent_expert_lru_drops() -> None:
+    # one expert per step; capacity 2: a, a, a, b, c, a. LRU evicts a for c; popularity evicts b (score 1 < 2.97)
+    keys = np.array([0, 0, 0, 1, 2, 0])
+    steps = np.arange(len(keys))
+    assert popularity(keys, steps, 2).misses == 3
+    assert lru(keys, 2).misses == 4
+
+
+def test_popularity_never_evicts_an_expert_of_the_same_step() -> None:
+    # b, b, then a and c in ONE step: c cannot take a's slot (a is Required), so it evicts b, which misses again
+    keys, together, apart = np.array([1, 1, 0, 2, 1]), np.array([0, 1, 2, 2, 3]), np.arange(5)
+    assert popularity(keys, together, 2).misses == 4
+    assert popularity(keys, apart, 2).misses == 3  # c in its own step evicts a (score 1 < b's 1.99)
+
+
+def test_popularity_pinned_and_layer_steps() -> None:
+    trace = synthetic_trace(200, 4, 16, 2, locality=0.5, seed=3)
+    keys, steps = layer_steps(trace)
+    assert np.array_equal(keys, expert_access_sequence(trace))
+    assert steps[-1] + 1 == 200 * 4  # one step per (token, layer)
+    pinned = [layer * 16 + e for layer in trace.layer_ids[:1] for e in range(16)]
+    result = popularity(keys, steps, 16, pinned)
+    assert result.accesses == len(keys)
+    assert result.misses == popularity(keys[keys >= 16], steps[keys >= 16], 16).misses  # pinned: hits, no room
+    with pytest.raises(ValueError, match="cannot hold"):
+        popularity(keys, steps, 1)

@@ -6,11 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from analysis import orin_projection as op  # noqa: E402
+
+from vismmoe_edge.trace import TraceWriter, synthetic_trace  # noqa: E402
 
 ROW = {
     "profile": "orin-nano-8gb-super--maxn-super",
@@ -60,3 +63,43 @@ def test_table_rows_per_board_and_failed_runs_left_out(tmp_path: Path, capsys: p
     assert f"3.5 GB/s: {nano['serial']:.2f}, {nano['overlapped']:.2f}" in lines[0]
     nx_own = op.project_measured(nx, 102.4e9, 6e9)
     assert f"6.0 GB/s: {nx_own['serial']:.2f}" in lines[2]
+
+
+@pytest.mark.parametrize("policy", ["popularity", "lru"])
+def test_trace_replay_same_experts_costs_almost_nothing(policy: str) -> None:
+    share = op.cache_share(ROW)  # a quarter of the 45 streamed layers' experts
+    assert share == pytest.approx(0.25)
+    # every token routes to the same experts: only the cold fill misses, so ~0 bytes per token
+    same = op.replay_plan(synthetic_trace(2000, 9, 64, 6, locality=1.0, seed=0), 3, share, policy)
+    assert same["capacity"] == 96 and same["of"] == 384  # a quarter of 6 streamed layers x 64
+    assert same["misses"] == 6 * 6  # each streamed layer's 6 experts, once
+    assert op.trace_miss_bytes(ROW, same["hit"]) < 0.01 * op.uniform_miss_bytes(ROW)
+    assert op.trace_miss_bytes(ROW, 0.0) == pytest.approx(384 * 2.5e6 * 45 / 48)  # all 45 streamed layers miss
+
+
+def test_trace_replay_uniform_routing_gives_the_uniform_figure() -> None:
+    trace = synthetic_trace(3000, 9, 64, 6, locality=0.0, skew=0.0, seed=1)  # independent uniform routing
+    share = op.cache_share(ROW)
+    pop = op.replay_plan(trace, 3, share, "popularity")
+    assert pop["hit"] == pytest.approx(share, abs=0.02)  # the engine's default policy: hit rate = cache share
+    assert op.trace_miss_bytes(ROW, pop["hit"]) == pytest.approx(op.uniform_miss_bytes(ROW), rel=0.03)
+    # a shared LRU visited layer after layer holds least of the layer it is about to read: below the share
+    assert 0.15 < op.replay_plan(trace, 3, share, "lru")["hit"] < share - 0.03
+
+
+def test_trace_table_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "trace.jsonl"
+    with TraceWriter(trace) as writer:
+        writer.header(model="synthetic", num_experts=16, moe_layers=[0, 1, 2, 3, 4], top_k=2)
+        rng = np.random.default_rng(0)
+        for t in range(50):
+            ids = [[sorted(rng.choice(16, 2, replace=False).tolist())] for _ in range(5)]
+            writer.step(request=0, phase="decode", token_index=t, layers=[
+                {"layer": layer, "experts": ids[layer]} for layer in range(5)])  # fmt: skip
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [ROW]}))
+    op.main(["--measured", str(path), "--trace", str(trace)])
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| Orin") and "of 32" in ln]
+    assert len(rows) == 2  # the Nano Super and the non-Super Nano, both from the one plan
+    assert "| 3; 25.0% | 8 of 32 |" in rows[0]

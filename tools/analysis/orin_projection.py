@@ -22,13 +22,26 @@ the board's memory, int4 experts and int4 dense weights, sampled routing), the m
 measured: the disk bytes each decode step read under that plan's cache; the dense bytes are the plan's language
 weights (int4/int8 as converted); the token's expert bytes 8 x 48 x the checkpoint's expert record. Then the same
 time rule with each board's DRAM peak and NVMe link (`MEASURED_BOARDS`, sources there).
+
+With `--trace PATH` too (a routing trace given by path, e.g. the DeepSeek-V2-Lite measurement trace), a third
+miss figure comes from real routing: each board row's plan (its pinned-layer count, and its cache's share of the
+streamed layers' experts) is replayed on the trace with the engine's default eviction ("popularity",
+experts/pipeline.py; LRU beside it), token by token, warm across prompts; the hit rate over the trace's streamed
+layers gives misses per token = (1 - hit) x top-8 x (48 - pinned) layers x the checkpoint's expert record.
+
+    python3 tools/analysis/orin_projection.py --measured board_proxy.json --trace PATH [--trace-max-tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+for _root in Path(__file__).resolve().parents[1:3]:  # tools/ and the checkout: run without installing
+    if str(_root) not in sys.path:
+        sys.path.insert(0, str(_root))
 
 GB, GIB = 1e9, 1 << 30
 
@@ -137,6 +150,63 @@ def uniform_miss_bytes(row: dict, layers: int = 48, experts: int = 128) -> float
     return (1 - hit) * INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
 
 
+def cache_share(row: dict, layers: int = 48, experts: int = 128) -> float:
+    """The plan's expert cache as a share of its streamed layers' experts (as `uniform_miss_bytes` counts it)."""
+    streamed = (layers - int(row["plan"]["pinned_layers"])) * experts * float(row["expert_bytes"])
+    return min(1.0, float(row["plan"]["cache_bytes"]) / streamed)
+
+
+def replay_plan(trace, pinned_layers: int, share: float, policy: str = "popularity") -> dict:
+    """Replay `trace` token by token, warm across prompts, with its first `pinned_layers` MoE layers pinned and a
+    cache of `share` of the other layers' experts; the hit rate is over the streamed layers' accesses only."""
+    import numpy as np
+
+    from vismmoe_edge.experts.oracle import layer_steps, lru, popularity
+
+    if not 0 <= pinned_layers < trace.num_layers:
+        raise ValueError(f"{pinned_layers} pinned layers leave none of the trace's {trace.num_layers} streamed")
+    streamed_layers = trace.num_layers - pinned_layers
+    capacity = max(trace.top_k, round(share * streamed_layers * trace.num_experts))
+    keys, steps = layer_steps(trace)
+    pinned = [layer * trace.num_experts + e for layer in trace.layer_ids[:pinned_layers]
+              for e in range(trace.num_experts)]  # fmt: skip
+    result = popularity(keys, steps, capacity, pinned) if policy == "popularity" else lru(keys, capacity, pinned)
+    streamed_accesses = result.accesses - int(np.isin(keys, pinned).sum())
+    return {"capacity": capacity, "of": streamed_layers * trace.num_experts, "streamed_accesses": streamed_accesses,
+            "misses": result.misses, "hit": 1 - result.misses / streamed_accesses}  # fmt: skip
+
+
+def trace_miss_bytes(row: dict, hit: float, layers: int = 48, top_k: int = 8) -> float:
+    """Miss bytes per token of the run's plan at a hit rate `hit` over its streamed layers (pinned ones hit)."""
+    streamed = layers - int(row["plan"]["pinned_layers"])
+    return (1 - hit) * top_k * streamed * float(row["expert_bytes"])
+
+
+def trace_table(rows: list[dict], trace) -> list[str]:
+    lines = [f"trace: {trace.source}: {trace.num_tokens:,} tokens, {trace.num_prompts:,} prompts, "
+             f"{trace.num_layers} MoE layers x {trace.num_experts} experts (top-{trace.top_k})", "",
+             "| board (plan) | pinned layers; cache share of streamed experts | trace replay: cache (experts of "
+             "streamed) | hit rate over streamed layers: popularity (LRU) | GB missed / token (Qwen3-VL bytes) | "
+             "at the board's link class: tok/s serial, overlapped | measured proxy; uniform: tok/s serial |",
+             "|---|---|---|---|---:|---|---|"]  # fmt: skip
+    for row in rows:
+        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
+            continue
+        pinned, share = int(row["plan"]["pinned_layers"]), cache_share(row)
+        pop, ref = replay_plan(trace, pinned, share, "popularity"), replay_plan(trace, pinned, share, "lru")
+        miss = trace_miss_bytes(row, pop["hit"])
+        link = NVME_BY_PROFILE[row["profile"]]
+        for name, dram in MEASURED_BOARDS[row["profile"]]:
+            own = project_measured(row | {"decode_read_bytes_per_token": miss}, dram, link)
+            measured = project_measured(row, dram, link)
+            uniform = project_measured(row | {"decode_read_bytes_per_token": uniform_miss_bytes(row)}, dram, link)
+            lines.append(f"| {name} | {pinned}; {share:.1%} | {pop['capacity']:,} of {pop['of']:,} | "
+                         f"{pop['hit']:.1%} ({ref['hit']:.1%}) | {miss / GB:.3f} | "
+                         f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} | "
+                         f"{measured['serial']:.2f}; {uniform['serial']:.2f} |")  # fmt: skip
+    return lines
+
+
 def measured_table(rows: list[dict]) -> list[str]:
     lines = ["| board (plan) | measured GB read / decode token | dense GB / token | DRAM GB / token | "
              "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped | "
@@ -161,11 +231,26 @@ def measured_table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measured", type=Path, help="tools/bench/board_proxy.py's JSON: project from its bytes per token")
+    ap.add_argument("--trace", type=Path, help="with --measured: a routing trace (.npz or .jsonl, by path) to replay "
+                    "each board's plan on")  # fmt: skip
+    ap.add_argument("--trace-max-tokens", type=int, default=0, help="replay only the trace's first N tokens (0: all)")
     args = ap.parse_args(argv)
+    if args.trace is not None and args.measured is None:
+        ap.error("--trace needs --measured (the board rows whose plans it replays)")
     if args.measured is not None:
         rows = json.loads(args.measured.read_text())["rows"]
         print("\n".join(measured_table(rows)))
         print()
+        if args.trace is not None:
+            from analysis.trace_stats import truncate
+
+            from vismmoe_edge.trace import load_trace
+
+            trace = load_trace(args.trace)
+            if args.trace_max_tokens > 0:
+                trace = truncate(trace, args.trace_max_tokens)
+            print("\n".join(trace_table(rows, trace)))
+            print()
         return
     boards, _ = INPUTS["boards"]
     print(

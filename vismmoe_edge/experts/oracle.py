@@ -11,6 +11,7 @@ and `--pinned-layers` use); `split_keys` turns them back into (layer, expert).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -204,6 +205,67 @@ def belady_after_warmup(warmup: Sequence[Hashable], accesses: Sequence[Hashable]
 def lru(accesses: Sequence[Hashable], capacity: int, pinned: Iterable[Hashable] = frozenset()) -> OracleResult:
     """Least-recently-used replacement, the reference online policy (same model as `belady`)."""
     return _result(*_replay(_lru_streamed, accesses, capacity, pinned))
+
+
+def layer_steps(trace: RoutingTrace) -> tuple[np.ndarray, np.ndarray]:
+    """Decode-order keys (as `expert_access_sequence`) and the (token, layer) step of each: one id per step."""
+    keys, token = _token_keys(trace, slice(None))
+    layer = keys // trace.num_experts
+    change = (token[1:] != token[:-1]) | (layer[1:] != layer[:-1])
+    return keys, np.concatenate([[0], np.cumsum(change)]).astype(np.int64)
+
+
+def popularity(keys: np.ndarray, steps: np.ndarray, capacity: int, pinned: Iterable[int] = frozenset()) -> OracleResult:
+    """The engine's default "popularity" eviction (experts/pipeline.py), replayed one token at a time.
+
+    Each routed expert's score decays by POPULARITY_DECAY and gains its share of the step's tokens (1 for a
+    single token) when it is routed; the score outlives eviction. A miss evicts the resident expert with the
+    lowest EXPIRED_BASE + score x POPULARITY_SCALE + use clock, never one routed in the same step (Required).
+    `steps` groups the accesses of one (token, layer), as `layer_steps` gives them.
+    """
+    from vismmoe_edge.experts.pipeline import EXPIRED_BASE, POPULARITY_DECAY, POPULARITY_SCALE  # here: it pulls torch
+
+    codes, is_pinned = _as_codes(np.asarray(keys, dtype=np.int64), pinned)
+    streamed = np.flatnonzero(~is_pinned)
+    missed = np.zeros(len(codes), dtype=bool)  # pinned accesses are hits and never reach the cache
+    score: dict[int, float] = {}
+    prio: dict[int, float] = {}  # resident code -> eviction priority (nan while Required); others on the heap are stale
+    heap: list[tuple[float, int]] = []
+    clock = evictions = 0
+    steps = np.asarray(steps, dtype=np.int64)
+    routed: list[int] = []  # the current step's experts
+    step = None
+
+    def finish() -> None:  # the step ends: its experts become evictable at their new priority
+        nonlocal clock
+        for c in routed:
+            clock += 1
+            prio[c] = EXPIRED_BASE + score[c] * POPULARITY_SCALE + clock
+            heapq.heappush(heap, (prio[c], c))
+        routed.clear()
+
+    for base in range(0, len(streamed), _CHUNK):
+        where = streamed[base : base + _CHUNK]
+        for i, c, s in zip(where.tolist(), codes[where].tolist(), steps[where].tolist(), strict=True):
+            if s != step:
+                finish()
+                step = s
+            routed.append(c)
+            score[c] = score.get(c, 0.0) * POPULARITY_DECAY + 1.0
+            if c not in prio:
+                missed[i] = True
+                if len(prio) >= capacity:
+                    while True:  # lowest valid priority; nan never equals itself, so Required entries are skipped
+                        if not heap:
+                            raise ValueError(f"capacity {capacity} cannot hold one step's experts")
+                        p, victim = heapq.heappop(heap)
+                        if prio.get(victim) == p:
+                            break
+                    del prio[victim]
+                    evictions += 1
+            prio[c] = math.nan  # Required for this step: not evictable until it finishes
+    finish()
+    return _result(missed, evictions)
 
 
 # --------------------------------------------------------------------------------------------------------- bound
