@@ -46,8 +46,8 @@ def test_prompt_from_a_file_and_from_stdin(random_model: Path, tmp_path: Path) -
     prompt = "Describe the picture,\nline by line."  # two lines: more than one argument can comfortably carry
     (tmp_path / "p.txt").write_text(prompt)
     base = ["run", "--model", str(random_model), "--max-new-tokens", "2", "--json"]
-    from_file = run_cli(*base, "--prompt-file", str(tmp_path / "p.txt"))
-    from_stdin = run_cli(*base, "--prompt-file", "-", stdin=prompt)
+    from_file = run_cli_in_process(*base, "--prompt-file", str(tmp_path / "p.txt"))  # a file: no process needed
+    from_stdin = run_cli(*base, "--prompt-file", "-", stdin=prompt)  # standard input: a real process's
     for proc in (from_file, from_stdin):
         assert proc.returncode == 0, proc.stderr
     ids = [json.loads(p.stdout)["prompt_token_ids"] for p in (from_file, from_stdin)]
@@ -185,7 +185,7 @@ def test_non_finite_logits_in_decode_name_the_decode_step(random_model: Path) ->
 
 @pytest.mark.parametrize("command", ["info", "plan"])
 def test_info_and_plan_default_to_the_demo_model(command: str) -> None:
-    proc = run_cli(command, timeout=120)
+    proc = run_cli_in_process(command)  # argument handling: both commands run as subprocesses in other tests
     assert proc.returncode == 0, proc.stderr
     assert "demo_model" in proc.stdout and "demo model" in proc.stderr
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vismmoe_edge import checkpoint_info
+from vismmoe_edge import checkpoint
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
@@ -83,13 +83,13 @@ def test_the_plans_prefetch_depth_is_the_pipelines_speculative_cap(tiny: Path) -
 
 def test_loading_reads_the_checkpoint_once(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = checkpoint_info.read_tensor_table
+    real = checkpoint.read_tensor_table  # looked up by inspect_checkpoint when it runs
 
     def counting(directory: Path) -> dict:
         calls.append(directory)
         return real(directory)
 
-    monkeypatch.setattr(checkpoint_info, "read_tensor_table", counting)
+    monkeypatch.setattr(checkpoint, "read_tensor_table", counting)
     available = available_for(tiny, 5 * describe_checkpoint(tiny)["expert_bytes_per_layer"])
     calls.clear()
     engine, _ = load_engine(tiny, LoadOptions(profile=NANO, device="cpu"), mem_available=available)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.quant_sources import one_thread  # noqa: F401 - autouse: tiny batches, one torch thread in this module
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.predict.baselines import (
     current_layer_transfer_scores,

@@ -23,6 +23,8 @@ import pytest
 from serve_support import REPO, Server, assert_error, random_demo_model, user, wait_until
 from test_serve_security import post_head, raw_request
 
+from tests.test_cli import run_cli_in_process
+
 DEADLINE = 1.0  # --header-timeout and --body-timeout of the daemon under test
 
 
@@ -389,8 +391,8 @@ def test_run_refuses_a_fifo_image_in_one_line(tmp_path: Path) -> None:
 def test_run_with_a_tiny_temperature_decodes_greedily() -> None:
     args = ["run", "--model", str(random_demo_model()), "--prompt", "hi", "--max-new-tokens", "3", "--json"]
     args += ["--memory-budget", "100%", "--pinned-layers", "0", "--tier", "host", "--device", "cpu"]
-    greedy = cli(*args)
-    tiny = cli(*args, "--temperature", "1e-300")
+    greedy = run_cli_in_process(*args)  # the sampler's floor, not the process, is under test: main() in process
+    tiny = run_cli_in_process(*args, "--temperature", "1e-300")
     assert greedy.returncode == 0 and tiny.returncode == 0, tiny.stderr[-2000:]
     assert "Traceback" not in tiny.stderr
     assert json.loads(tiny.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]

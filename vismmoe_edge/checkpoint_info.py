@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from vismmoe_edge.checkpoint import TORCH_DTYPES, ExpertCatalogue, TensorInfo, read_tensor_table
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.family import ModelFamily
 from vismmoe_edge.models.registry import model_family
-from vismmoe_edge.quant.catalogue import checkpoint_catalogue
+
+if TYPE_CHECKING:  # torch (2+ s to import) loads once the directory is known to hold a model of a known family
+    import torch
+
+    from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
+    from vismmoe_edge.models.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class CheckpointInfo:
     def stored_dtype(self) -> torch.dtype:
         """The weights' float dtype as stored: the experts', or for quantized experts the resident weights' (the
         dtype with the most bytes), which is what `--dtype auto` computes in."""
+        import torch
+
+        from vismmoe_edge.checkpoint import TORCH_DTYPES
+
         if self.catalogue.quant is None:
             return TORCH_DTYPES[self.catalogue.dtype]
         sizes: dict[str, int] = {}
@@ -66,6 +71,9 @@ def inspect_checkpoint(model_dir: str | Path | None) -> CheckpointInfo:
     except Exception as e:  # transformers' config classes raise many types for a field of the wrong type or shape
         reason = " ".join(str(e).split())[:200]
         raise VismmoeError(f"{model_dir / 'config.json'}: malformed ({reason}); re-download it") from e
+    from vismmoe_edge.checkpoint import read_tensor_table  # lazy: with torch, once the family is known
+    from vismmoe_edge.quant.catalogue import checkpoint_catalogue
+
     table = family.select_tensors(config, read_tensor_table(model_dir))
     catalogue = checkpoint_catalogue(family, config, table, model_dir)  # float experts, or our quantized records
     return CheckpointInfo(model_dir, family, config, table, catalogue, is_demo)

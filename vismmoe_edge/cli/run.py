@@ -97,7 +97,6 @@ def run(
     except VismmoeError as e:
         raise fail(str(e)) from None
     from vismmoe_edge.compress.config import CompressionConfig
-    from vismmoe_edge.sampling import SamplingConfig
     from vismmoe_edge.serve.protocol import sampling_floor
 
     try:
@@ -114,7 +113,9 @@ def run(
             if not images and not video and not video_frames:
                 images = [ensure_sample_image()]
         options = load_options(locals())
-        engine, plan_note = plan_and_load(model, options)
+        engine, plan_note = plan_and_load(model, options)  # a refused model directory answers before torch loads
+        from vismmoe_edge.sampling import SamplingConfig
+
         if replay_trace is not None:
             engine.replay_routing(replay_trace)
         writer = engine.write_trace(trace_out) if trace_out is not None else None

@@ -28,10 +28,6 @@ from vismmoe_edge.cli.options import (
 )
 from vismmoe_edge.compress.config import CompressionConfig
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.serve.daemon import ServeOptions, serve
-from vismmoe_edge.serve.policy import parse_origin
-from vismmoe_edge.serve.protocol import Limits
-from vismmoe_edge.serve.servers import parse_listen
 from vismmoe_edge.serve.systemd import DEFAULT_ENV_FILE, DEFAULT_LISTEN, DEFAULT_UNIT_DIR, UNIT_NAME, install_service
 from vismmoe_edge.units import parse_size
 
@@ -153,6 +149,13 @@ def serve_command(
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error")] = "info",
 ) -> None:
     """Serve one loaded model over an OpenAI-compatible HTTP API (a systemd Type=notify daemon)."""
+    # lazy: the daemon's modules (HTTP servers, workers, metrics) are a tenth of a second that every other command,
+    # and each usage error of this one, would pay at start-up
+    from vismmoe_edge.serve.daemon import ServeOptions, serve
+    from vismmoe_edge.serve.policy import parse_origin
+    from vismmoe_edge.serve.protocol import Limits
+    from vismmoe_edge.serve.servers import parse_listen
+
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO), format="%(asctime)s %(levelname)s %(message)s"
     )

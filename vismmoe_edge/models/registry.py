@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vismmoe_edge.config_json import read_config_json
 from vismmoe_edge.errors import VismmoeError
-from vismmoe_edge.models.family import ModelFamily
+
+if TYPE_CHECKING:  # torch and transformers come with a family module, not with the dispatch (a refused directory)
+    from vismmoe_edge.models.family import ModelFamily
 
 # model_type -> (architecture in config.json, the module whose FAMILY serves it)
 FAMILIES: dict[str, tuple[str, str]] = {
