@@ -14,10 +14,10 @@ import typer
 from typer.testing import CliRunner
 
 from vismmoe_edge import options as options_module
-from vismmoe_edge.cli import serve as serve_cli
 from vismmoe_edge.cli.run import run
 from vismmoe_edge.cli.serve import serve_command
 from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.serve import daemon
 
 
 class Loaded(Exception):
@@ -67,7 +67,7 @@ def test_serve_and_run_resolve_the_same_arguments_to_the_same_plan(
             Service(serve_options).load()
         return 0
 
-    monkeypatch.setattr(serve_cli, "serve", serve_without_http)
+    monkeypatch.setattr(daemon, "serve", serve_without_http)  # cli/serve.py imports it when the command runs
     who["now"] = "serve"
     result = CliRunner().invoke(app_of(serve_command), ["cmd", *common, "--port", "0"])
     assert result.exit_code == 0, result.output

@@ -8,8 +8,9 @@ normalisation and the pixel hash (together most of what a warm request still cos
 frame, many questions"): its prompt is the chat template's text with each image placeholder expanded to the
 image's visual-token count, as the processor expands it, then tokenized.
 
-Only for Qwen3-VL-MoE's processor (the one whose expansion this mirrors; tests/test_seen_frames.py checks the
-ids against the processor's), without video, and without a compressor that needs the vision tower's attention.
+Only for families whose processor does nothing else with an image's tokens (`ops.expands_image_placeholders`:
+Qwen3-VL-MoE; tests/test_seen_frames.py checks the ids against the processor's), without video, and without a
+compressor that needs the vision tower's attention.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from vismmoe_edge.prefix_cache import PrefixCache, processor_settings
 from vismmoe_edge.prefix_keys import cached_vision
 from vismmoe_edge.prompt import PromptInputs, count_parts
 
-FAMILY = "qwen3_vl_moe"
-
 
 def frame_key(cache: PrefixCache, processor: Any, data: bytes) -> str:
     """The address of an image as received: its encoded bytes, the processor's settings and the model's salt."""
@@ -38,7 +37,7 @@ def frame_key(cache: PrefixCache, processor: Any, data: bytes) -> str:
 def applies(engine: Any, messages: list[dict[str, Any]], num_images: int, num_videos: int) -> bool:
     return (
         engine.prefix_cache is not None
-        and engine.ops.model_type == FAMILY
+        and engine.ops.expands_image_placeholders
         and num_images > 0
         and num_videos == 0
         and count_parts(messages, "video") == 0

@@ -32,6 +32,9 @@ class PrefillOps(Protocol):
     # whether static_decode.StaticDecoder's layer body (norm, attention, norm, routed experts with no shared
     # experts or second router) is this family's decoder layer
     static_decode: bool
+    # whether the processor turns a prompt's images into tokens only by expanding each image placeholder to the
+    # image's visual-token count (grid t*h*w / merge**2), so seen_frames.py can rebuild the prompt without pixels
+    expands_image_placeholders: bool
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures: ...
 
@@ -98,6 +101,7 @@ class MRopeOps(NoDeepStack):
     model_type = ""
     supports_compression = False
     static_decode = False
+    expands_image_placeholders = False
 
     def rope_positions(
         self,

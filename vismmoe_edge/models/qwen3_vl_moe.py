@@ -63,6 +63,7 @@ class Qwen3VLMoeOps(MRopeOps):
     model_type = "qwen3_vl_moe"
     supports_compression = True
     static_decode = True  # norm, attention, norm, routed experts: StaticDecoder's layer body
+    expands_image_placeholders = True  # Qwen3VLProcessor.replace_image_token (tests/test_seen_frames.py)
 
     def saliency(self, model: Any, grid: torch.Tensor) -> SaliencyCapture:
         from vismmoe_edge.compress.saliency import VisionSaliency

@@ -23,6 +23,7 @@ class DeepseekVL2Ops(NoDeepStack):
     model_type = "deepseek_vl_v2"
     supports_compression = True
     static_decode = False  # a shared expert beside the routed ones: the eager layer
+    expands_image_placeholders = False  # tiles, newlines and separators: not one run of placeholders
 
     def image_features(self, model: Any, pixel_values: torch.Tensor, grid: torch.Tensor) -> VisualFeatures:
         return VisualFeatures(model.image_features(pixel_values, grid))
