@@ -30,6 +30,9 @@ experts/pipeline.py; LRU beside it), token by token, warm across prompts; the hi
 layers gives misses per token = (1 - hit) x top-8 x (48 - pinned) layers x the checkpoint's expert record.
 
     python3 tools/analysis/orin_projection.py --measured board_proxy.json --trace PATH [--trace-max-tokens N]
+
+With `--prefetch` too, a fourth table replays the engine's lookahead prefetch (depth 2, the board plans') on the
+same trace, per predictor, with its own time rule: tools/analysis/prefetch_replay.py's docstring.
 """
 
 from __future__ import annotations
@@ -234,6 +237,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", type=Path, help="with --measured: a routing trace (.npz or .jsonl, by path) to replay "
                     "each board's plan on")  # fmt: skip
     ap.add_argument("--trace-max-tokens", type=int, default=0, help="replay only the trace's first N tokens (0: all)")
+    ap.add_argument("--prefetch", nargs="?", const="previous-token,frequency,transfer,random,oracle",
+                    help="with --trace: replay lookahead prefetch with these predictors (comma-separated; "
+                    "prefetch_replay.PREDICTORS)")  # fmt: skip
+    ap.add_argument("--prefetch-depth", type=int, default=2, help="MoE layers predicted ahead (the board plans': 2)")
+    ap.add_argument("--test-from", type=int, default=160_000, help="--prefetch: first counted token; the "
+                    "baselines are counted on earlier prompts")  # fmt: skip
+    ap.add_argument("--warmup-tokens", type=int, default=40_000, help="--prefetch: tokens replayed before it")
     args = ap.parse_args(argv)
     if args.trace is not None and args.measured is None:
         ap.error("--trace needs --measured (the board rows whose plans it replays)")
@@ -251,6 +261,13 @@ def main(argv: list[str] | None = None) -> None:
                 trace = truncate(trace, args.trace_max_tokens)
             print("\n".join(trace_table(rows, trace)))
             print()
+            if args.prefetch:
+                from analysis.prefetch_replay import prefetch_table
+
+                names = [p for p in args.prefetch.split(",") if p]
+                print("\n".join(prefetch_table(rows, trace, names, args.prefetch_depth, args.test_from,
+                                                args.warmup_tokens)))  # fmt: skip
+                print()
         return
     boards, _ = INPUTS["boards"]
     print(
