@@ -164,6 +164,23 @@ def test_prefetched_expert_counts_as_a_prefetch_hit() -> None:
     pipeline.close()
 
 
+def test_a_prediction_protects_a_resident_expert_only_until_its_layer_runs() -> None:
+    tier = RecordingTier()
+    pipeline = ExpertPipeline(tier, capacity=3, speculative_cap_bytes=3 * tier.slot_bytes)
+    run_layer(pipeline, 1, [5])  # the oldest: evicted first
+    run_layer(pipeline, 1, [6])
+    pipeline.prefetch([((1, 5), 1.0)], current_layer=0)  # resident: raised, protected from eviction
+    run_layer(pipeline, 2, [0])  # the cache is full now
+    assert pipeline.resident_keys() == {(1, 5), (1, 6), (2, 0)}
+    run_layer(pipeline, 3, [0])  # (1, 5) is protected: (1, 6) goes
+    assert pipeline.resident_keys() == {(1, 5), (2, 0), (3, 0)}
+    run_layer(pipeline, 1, [7])  # layer 1 runs without (1, 5): back to its old place, the oldest, and evicted
+    assert pipeline.resident_keys() == {(1, 7), (2, 0), (3, 0)}
+    run_layer(pipeline, 4, [0])  # the order is by age again: (2, 0) goes
+    assert pipeline.resident_keys() == {(1, 7), (3, 0), (4, 0)}
+    pipeline.close()
+
+
 def test_state_after_layer_is_expired() -> None:
     tier = RecordingTier()
     pipeline = ExpertPipeline(tier, capacity=2)

@@ -6,13 +6,14 @@ Per (token, MoE layer), as experts/pipeline.py orders it (begin_layer, then the 
 1. demand: the layer's routed experts that are not resident are demand misses (bytes compute stalls on); each
    takes a slot from the lowest-priority Expired entry, else the lowest Speculative one;
 2. prefetch: the predictor names experts of layers l+1..l+depth with a score; highest score first, an expert
-   already resident gets its priority raised to the score (pipeline.prefetch), a new one is fetched
+   already resident gets its priority raised to the score until its layer runs (pipeline.prefetch), a new one is fetched
    speculatively while fewer than the cap are queued (runtime.py: min(depth x top-k, slots // 4) experts; the
    I/O is assumed to have drained the previous step's queue, so each call may queue up to the cap). A
    speculative fetch takes only a slot whose entry is worth less than its score (any Expired one: their
    priorities sit near EXPIRED_BASE), otherwise it is dropped. It enters as Speculative with its score;
-3. when its layer comes, a prediction the layer did not route is Expired at EXPIRED_BASE - 1 (the first to go);
-   one it routed is a hit (a prefetch hit);
+3. when its layer comes, a prediction the layer did not route is Expired at EXPIRED_BASE - 1 (the first to go),
+   and a resident expert raised in step 2 goes back to its priority before (pipeline._expire_unrouted_predictions,
+   since 2026-12-03: before, the raise lasted until the expert was routed again); one it routed is a hit;
 4. the step's experts become Expired at EXPIRED_BASE + popularity x POPULARITY_SCALE + use clock.
 Pinned layers hit and take no slot; the predictor still runs at them, so it can name the first streamed layer.
 Nothing is timed: fetches complete within the step. Whether the link can carry them is the time model's question.
@@ -172,6 +173,7 @@ def replay(ids: np.ndarray, num_experts: int, pinned_layers: int, capacity: int,
     score: dict[int, float] = {}
     unused: set[int] = set()  # fetched on a prediction, not routed since
     by_layer: dict[int, set[int]] = {}  # predictions per layer index, until that layer routes
+    raised: dict[int, float] = {}  # resident Expired code a prediction raised -> its priority before
     clock = accesses = demand = speculative = hits = dropped = 0
 
     def put(c: int, state: int, p: float) -> None:
@@ -191,6 +193,7 @@ def replay(ids: np.ndarray, num_experts: int, pinned_layers: int, capacity: int,
                 heapq.heappop(heap)
                 del kind[c], prio[c]
                 unused.discard(c)
+                raised.pop(c, None)
                 return c
         return None
 
@@ -202,7 +205,12 @@ def replay(ids: np.ndarray, num_experts: int, pinned_layers: int, capacity: int,
             codes = [li * num_experts + e for e in routed] if li >= pinned_layers else []
             if li >= pinned_layers:
                 for c in by_layer.pop(li, ()):  # predictions this layer did not route go first
-                    if c % num_experts not in routed and kind.get(c) == SPECULATIVE:
+                    before = raised.pop(c, None)
+                    if c % num_experts in routed:
+                        continue
+                    if before is not None and kind.get(c) == EXPIRED:
+                        put(c, EXPIRED, before)  # a raised resident expert goes back where it was
+                    elif kind.get(c) == SPECULATIVE:
                         put(c, EXPIRED, EXPIRED_BASE - 1)
                 for c in codes:
                     score[c] = score.get(c, 0.0) * POPULARITY_DECAY + 1.0
@@ -225,7 +233,10 @@ def replay(ids: np.ndarray, num_experts: int, pinned_layers: int, capacity: int,
                     state = kind.get(c)
                     if state is not None:
                         if state != REQUIRED and s > prio[c]:
-                            put(c, state, s)  # named again: protected from eviction
+                            if state == EXPIRED and c not in raised:
+                                raised[c] = prio[c]
+                                by_layer.setdefault(lj, set()).add(c)
+                            put(c, state, s)  # named again: protected from eviction until layer lj runs
                         continue
                     if queued >= cap:
                         break

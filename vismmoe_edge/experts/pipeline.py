@@ -49,6 +49,7 @@ class Entry:
     weights: ExpertWeights | None = None
     loaded: threading.Event = field(default_factory=threading.Event)
     speculative: bool = False  # fetched on a prediction; cleared when a layer routes it
+    raised_from: float | None = None  # an Expired entry's priority before a prediction raised it
     used: bool = False
 
 
@@ -247,7 +248,9 @@ class ExpertPipeline:
         """Replace the speculative queue with `requests` (key, score), highest score first.
 
         Stale requests (for layers at or before `current_layer`) and superseded predictions are dropped;
-        resident entries named again get their priority raised, which protects them from eviction.
+        resident entries named again get their priority raised, which protects them from eviction until their
+        layer runs: if it does not route them, they go back to their Expired priority
+        (`_expire_unrouted_predictions`), else a prediction would protect them for good.
         """
         queued = False
         with self._lock:
@@ -260,6 +263,9 @@ class ExpertPipeline:
                 entry = self._entries.get(key)
                 if entry is not None:
                     if entry.state in (State.EXPIRED, State.SPECULATIVE) and entry.loaded.is_set():
+                        if entry.state is State.EXPIRED and entry.raised_from is None and score > entry.priority:
+                            entry.raised_from = entry.priority
+                            self._speculative_by_layer.setdefault(key[0], set()).add(key)
                         self._set_evictable(entry, entry.state, max(entry.priority, score))
                     continue
                 if self._speculative_in_flight + self.tier.slot_bytes > self.speculative_cap_bytes:
@@ -527,12 +533,17 @@ class ExpertPipeline:
         heapq.heappush(self._evictable[state], (priority, next(self._seq), entry.key))
 
     def _expire_unrouted_predictions(self, layer: int, routed: set[int]) -> None:
-        """Predictions for `layer` that it did not route are worthless for this token: evict them first."""
+        """Predictions for `layer` that it did not route are worthless for this token: evict them first, and
+        put resident experts a prediction raised back where they were."""
         for key in list(self._speculative_by_layer.pop(layer, ())):
-            if key[1] in routed:
-                continue
             entry = self._entries.get(key)
             if entry is None:
+                continue
+            raised_from, entry.raised_from = entry.raised_from, None
+            if key[1] in routed:
+                continue  # acquired now: `finish` gives it its new Expired priority
+            if raised_from is not None and entry.state is State.EXPIRED:
+                self._set_evictable(entry, State.EXPIRED, raised_from)
                 continue
             if not entry.loaded.is_set():
                 if self._queued.get(key) == SPECULATIVE:
