@@ -254,9 +254,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.trace is not None:
             from analysis.trace_stats import truncate
 
+            from vismmoe_edge.errors import VismmoeError
             from vismmoe_edge.trace import load_trace
 
-            trace = load_trace(args.trace)
+            try:
+                trace = load_trace(args.trace)
+            except VismmoeError as e:
+                ap.exit(2, f"error: {e}\n")
             if args.trace_max_tokens > 0:
                 trace = truncate(trace, args.trace_max_tokens)
             print("\n".join(trace_table(rows, trace)))
