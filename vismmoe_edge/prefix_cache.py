@@ -171,8 +171,12 @@ class PrefixCache:
             if seen is None or ("vision", seen[0]) not in self._entries:
                 return None
             self._frames.move_to_end(frame_key)
-            self._stats.frame_hits += 1
             return seen
+
+    def count_seen_frames(self, n: int) -> None:
+        """`n` images were taken by their bytes (counted only once a request's prompt is built from them)."""
+        with self._lock:
+            self._stats.frame_hits += n
 
     def stats(self) -> CacheStats:
         with self._lock:

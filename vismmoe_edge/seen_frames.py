@@ -67,6 +67,7 @@ def encode_seen(engine: Any, messages: list[dict[str, Any]], datas: list[bytes])
     expanded = parts[0] + "".join(processor.image_token * n + part for n, part in zip(counts, parts[1:], strict=True))
     input_ids = processor.tokenizer([expanded], return_tensors="pt")["input_ids"]
     mm_types = torch.as_tensor(processor.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)
+    cache.count_seen_frames(len(keys))
     return PromptInputs(input_ids, None, grid, mm_types, image_keys=keys, vision=visual)
 
 
