@@ -144,17 +144,24 @@ def project_measured(row: dict, dram: float, nvme: float, efficiency: float = IN
             "t_dram": t_dram, "serial": 1 / (t_nvme + t_dram), "overlapped": 1 / max(t_nvme, t_dram)}  # fmt: skip
 
 
+def project_miss(row: dict, miss: float, dram: float, nvme: float, efficiency: float = INPUTS["efficiency"][0]) -> dict:
+    """`project_measured` with `miss` bytes per decode token in place of the run's measured ones."""
+    return project_measured(row | {"decode_read_bytes_per_token": miss}, dram, nvme, efficiency)
+
+
+def completed(rows: list[dict]) -> list[dict]:
+    """The board_proxy.py rows that ran to the end, on a board `MEASURED_BOARDS` knows."""
+    return [row for row in rows if row.get("returncode") == 0 and row["profile"] in MEASURED_BOARDS]
+
+
 def uniform_miss_bytes(row: dict, layers: int = 48, experts: int = 128) -> float:
     """The miss bytes per token the run's plan would give if routing were uniform: a pinned layer always hits, a
     streamed one hits with the cache's share of the streamed layers' experts."""
-    pinned = int(row["plan"]["pinned_layers"])
-    streamed = (layers - pinned) * experts * float(row["expert_bytes"])
-    hit = pinned / layers + (1 - pinned / layers) * min(1.0, float(row["plan"]["cache_bytes"]) / streamed)
-    return (1 - hit) * INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
+    return trace_miss_bytes(row, cache_share(row, layers, experts), layers)
 
 
 def cache_share(row: dict, layers: int = 48, experts: int = 128) -> float:
-    """The plan's expert cache as a share of its streamed layers' experts (as `uniform_miss_bytes` counts it)."""
+    """The plan's expert cache as a share of its streamed layers' experts."""
     streamed = (layers - int(row["plan"]["pinned_layers"])) * experts * float(row["expert_bytes"])
     return min(1.0, float(row["plan"]["cache_bytes"]) / streamed)
 
@@ -192,17 +199,15 @@ def trace_table(rows: list[dict], trace) -> list[str]:
              "streamed) | hit rate over streamed layers: popularity (LRU) | GB missed / token (Qwen3-VL bytes) | "
              "at the board's link class: tok/s serial, overlapped | measured proxy; uniform: tok/s serial |",
              "|---|---|---|---|---:|---|---|"]  # fmt: skip
-    for row in rows:
-        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
-            continue
+    for row in completed(rows):
         pinned, share = int(row["plan"]["pinned_layers"]), cache_share(row)
         pop, ref = replay_plan(trace, pinned, share, "popularity"), replay_plan(trace, pinned, share, "lru")
         miss = trace_miss_bytes(row, pop["hit"])
         link = NVME_BY_PROFILE[row["profile"]]
         for name, dram in MEASURED_BOARDS[row["profile"]]:
-            own = project_measured(row | {"decode_read_bytes_per_token": miss}, dram, link)
+            own = project_miss(row, miss, dram, link)
             measured = project_measured(row, dram, link)
-            uniform = project_measured(row | {"decode_read_bytes_per_token": uniform_miss_bytes(row)}, dram, link)
+            uniform = project_miss(row, uniform_miss_bytes(row), dram, link)
             lines.append(f"| {name} | {pinned}; {share:.1%} | {pop['capacity']:,} of {pop['of']:,} | "
                          f"{pop['hit']:.1%} ({ref['hit']:.1%}) | {miss / GB:.3f} | "
                          f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} | "
@@ -215,15 +220,13 @@ def measured_table(rows: list[dict]) -> list[str]:
              "NVMe 2 / 3.5 / 6 GB/s: tok/s (serial) | at the board's link class: serial, overlapped | "
              "uniform routing instead: GB missed, tok/s serial at the link |",
              "|---|---:|---:|---:|---|---|---|"]  # fmt: skip
-    for row in rows:
-        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
-            continue
+    for row in completed(rows):
         link = NVME_BY_PROFILE[row["profile"]]
         for name, dram in MEASURED_BOARDS[row["profile"]]:
             grid = [project_measured(row, dram, nvme) for nvme in INPUTS["nvme"][0]]
             own = project_measured(row, dram, link)
             speeds = " / ".join(f"{g['serial']:.2f}" for g in grid)
-            uniform = project_measured(row | {"decode_read_bytes_per_token": uniform_miss_bytes(row)}, dram, link)
+            uniform = project_miss(row, uniform_miss_bytes(row), dram, link)
             lines.append(f"| {name} | {own['miss'] / GB:.3f} | {own['dense'] / GB:.2f} | "
                          f"{own['dram_bytes'] / GB:.2f} | {speeds} | "
                          f"{link / GB:.1f} GB/s: {own['serial']:.2f}, {own['overlapped']:.2f} | "

@@ -271,21 +271,27 @@ def split_train(trace, test_from: int) -> tuple[np.ndarray, int]:
 
 
 def time_per_token(row: dict, demand: float, spec: float, dram: float, nvme: float, efficiency: float = 0.5) -> dict:
-    """Seconds per token for demand and speculative bytes per token (module docstring's rules)."""
-    from analysis.orin_projection import INPUTS
+    """Tokens per second for demand and speculative bytes per token (module docstring's rules): orin_projection's
+    rule with every byte read, except that compute stalls only on the demand bytes when speculation overlaps."""
+    from analysis.orin_projection import project_miss
 
-    touched = INPUTS["top_k_layers"][0] * float(row["expert_bytes"])
-    dense = float(row["plan"]["language_weights_bytes"])
-    t_dram = (dense + 3 * touched + 2 * (demand + spec)) / (dram * efficiency)
-    overlapped = max((demand + spec) / nvme, t_dram + demand / nvme)
-    return {"t_dram": t_dram, "prefetch": 1 / overlapped, "serial": 1 / ((demand + spec) / nvme + t_dram)}
+    p = project_miss(row, demand + spec, dram, nvme, efficiency)
+    overlapped = max(p["t_nvme"], p["t_dram"] + demand / nvme)
+    return {"t_dram": p["t_dram"], "prefetch": 1 / overlapped, "serial": p["serial"]}
 
 
 def prefetch_table(rows: list[dict], trace, predictors: list[str], depth: int = 2, test_from: int = 160_000,
                    warmup: int = 40_000, seed: int = 0) -> list[str]:  # fmt: skip
     """Markdown rows: each board plan x predictor, replayed on the trace's tokens from `test_from` after
     `warmup` tokens of the same replay."""
-    from analysis.orin_projection import MEASURED_BOARDS, NVME_BY_PROFILE, cache_share, project_measured
+    from analysis.orin_projection import (
+        MEASURED_BOARDS,
+        NVME_BY_PROFILE,
+        cache_share,
+        completed,
+        project_miss,
+        trace_miss_bytes,
+    )
 
     train, first = split_train(trace, test_from)
     start = max(0, first - warmup)
@@ -297,14 +303,12 @@ def prefetch_table(rows: list[dict], trace, predictors: list[str], depth: int = 
              "wasted share | dropped / token | tok/s: overlapped speculation, all serial | no prefetch, this "
              "replay's misses: tok/s serial, overlapped |", "|---|---|---:|---:|---:|---:|---|---|"]  # fmt: skip
     cache: dict[tuple, PrefetchResult] = {}
-    for row in rows:
-        if row.get("returncode") != 0 or row["profile"] not in MEASURED_BOARDS:
-            continue
+    for row in completed(rows):
         pinned, share = int(row["plan"]["pinned_layers"]), cache_share(row)
         streamed = trace.num_layers - pinned
         capacity = max(trace.top_k, round(share * streamed * trace.num_experts))
         cap = min(depth * trace.top_k, capacity // 4)  # runtime.py's speculative cap, in experts
-        per_access = 8 * (48 - pinned) * float(row["expert_bytes"])  # Qwen3-VL bytes per token at rate 1
+        per_access = trace_miss_bytes(row, 0.0)  # Qwen3-VL bytes per token at a miss rate of 1
         link = NVME_BY_PROFILE[row["profile"]]
         for name in ["none", *[p for p in predictors if p != "none"]]:
             key = (pinned, capacity, name)
@@ -313,10 +317,10 @@ def prefetch_table(rows: list[dict], trace, predictors: list[str], depth: int = 
                 cache[key] = replay(ids, trace.num_experts, pinned, capacity, cap, fn, count_from=first - start)
             r = cache[key]
             demand, spec = r.demand_rate * per_access, r.speculative_rate * per_access
+            none = cache[(pinned, capacity, "none")].demand_rate * per_access
             for board, dram in MEASURED_BOARDS[row["profile"]]:
                 t = time_per_token(row, demand, spec, dram, link)
-                none = cache[(pinned, capacity, "none")].demand_rate * per_access
-                base = project_measured(row | {"decode_read_bytes_per_token": none}, dram, link)
+                base = project_miss(row, none, dram, link)
                 qwen = 8 * (48 - pinned)
                 lines.append(f"| {board} | {name} | {r.demand_rate * qwen:.1f} | {spec / 1e9:.3f} | "
                              f"{r.wasted:.0%} | {r.dropped / max(r.tokens, 1) * qwen / (streamed * trace.top_k):.1f}"
