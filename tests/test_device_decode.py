@@ -194,6 +194,37 @@ def test_cuda_device_token_matches_transformers(tmp_path: Path, images: list[Pat
         assert sum(d.redone for d in decoders) > 0  # misses redone on the per-layer path, tokens still equal
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/device/decode_checks.sh checks runs it)"
+)
+def test_cuda_compiled_decoder_keeps_the_weights_earlier_graphs_read(tmp_path: Path, images: list[Path]) -> None:
+    """One engine decodes eagerly (graphs captured), then compiled, then eagerly again, as the benchmark's rows
+    take turns: the compiled decoder's stacked q/k/v must not move weights the first graphs read (this replayed
+    them from freed memory: an illegal address at the 30B-A3B geometry), and the eager tokens stay the same."""
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(tmp_path / "m", seed=5, dtype=torch.bfloat16, layout="hub", num_layers=8)
+    engine = vismmoe_edge.load(model_dir, memory_budget="100%", pinned_layers=1, device="cuda", host_tier=False)
+    assert engine.uses_device_decode()
+    inputs = engine.encode("Describe the image.", images[:1])
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    attention = [layer.self_attn for layer in engine.language_model.layers]
+
+    def weight_addresses() -> list[int]:
+        return [p.weight.data_ptr() for a in attention for p in (a.q_proj, a.k_proj, a.v_proj)]
+
+    runs, addresses = [], []
+    for compiled in (False, True, False):
+        engine.compile_decode = compiled
+        runs.append(engine.generate_from_inputs(inputs, sampling).token_ids)
+        torch.cuda.synchronize()
+        addresses.append(weight_addresses())
+    assert addresses[1] == addresses[0] == addresses[2]  # nothing moved after the first graphs were captured
+    assert runs[2] == runs[0]
+    assert len(runs[1]) == NEW_TOKENS
+    assert {d.fused.compiled for d in engine._decoders.values() if d.fused is not None} == {True}
+
+
 def test_host_mirror_of_an_untransposed_checkpoint_is_mapped(checkpoints) -> None:
     """ExpertTable.map_host: each mirrored expert's gate_up and down addresses inside the mirror's bytes; a
     transposed (hub) checkpoint cannot be read in place and maps nothing."""

@@ -29,7 +29,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
-from vismmoe_edge.kernels.decode_layer import FusedLayers
+from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
@@ -218,6 +218,10 @@ class StaticDecoder:
             self._init_on_device(routed_k, on_gpu, mapped)
         # the device token's attention and router as explicit tensor code, compiled on CUDA (eager elsewhere: the
         # CPU check that it is transformers' computation)
+        if on_gpu and supports_fused(self.lm, set(self.moe)):
+            # before this decoder captures anything: a compiled decoder made later stacks q, k and v, which would
+            # move those weights under every graph captured before it (an illegal address at the next replay)
+            stack_every_qkv(self.lm)
         self.fused: FusedLayers | None = None
         self.no_experts: torch.Tensor | None = None
         if fused and on_device and supports_fused(self.lm, set(self.moe)):

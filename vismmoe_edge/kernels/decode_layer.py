@@ -169,6 +169,13 @@ def stack_qkv(attention: Any) -> torch.Tensor:
     return stacked
 
 
+def stack_every_qkv(language_model: Any) -> None:
+    """`stack_qkv` in every layer. On CUDA the decoders do it before their first capture, whether or not they
+    compile, so that the weights a captured graph reads never move afterwards."""
+    for layer in language_model.layers:
+        stack_qkv(layer.self_attn)
+
+
 def supports(language_model: Any, moe_layers: set[int]) -> bool:
     """Every layer a Qwen3-VL-MoE MoE layer with plain bias-free linears (quantized dense weights keep the
     modules' own forward) under transformers' sdpa attention."""
