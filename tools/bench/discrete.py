@@ -268,8 +268,11 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     before = {id(d): (d.ran_ahead, d.discarded) for d in engine._decoders.values() if getattr(d, "on_device", False)}
     # no sync per token: a token reaches the host only once read back from the GPU anyway, and a sync here would
     # also wait for the token launched ahead of it (StaticDecoder.token_step), hiding what launching ahead saves
+    allocator = allocator_counts()
     for _ in engine.stream(inputs, sampling):
         times.append(time.perf_counter())
+        if len(times) == 1:  # what the prefill cost the caching allocator: cudaMalloc calls, frees and retries
+            allocator = {k: v - allocator[k] for k, v in allocator_counts().items()}
     sync()
     if device_decode == "off":
         engine.experts.route_hooks.remove(record)
@@ -309,7 +312,17 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0))[1] for d in decoders),
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
+        "prefill_allocator": allocator,
     }
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's running counts that make a step slow when they move: a cudaMalloc, a cudaFree
+    (it synchronises), a retry after freeing the cache to make room."""
+    if DEVICE != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) -> dict:
@@ -455,6 +468,7 @@ def median_row(strategy: str, trials: list[dict]) -> dict:
     out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
     out["decode_tokens_per_s_all"] = [round(t["decode_tokens_per_s"], 3) for t in trials]
     out["prefill_s_all"] = [round(t["prefill_s"], 4) for t in trials]  # the spread between rows is not understood
+    out["prefill_allocator_all"] = [t["prefill_allocator"] for t in trials if "prefill_allocator" in t]
     return out
 
 

@@ -107,11 +107,19 @@ bench|bench-int4)
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"
-        [ -d /tmp/bench-int4/qwen3vl-30b-a3b-48layer ] || timeout $(( $(left) - 240 )) python3 -m vismmoe_edge.cli quantize \
-            "$MODEL" /tmp/bench-int4/qwen3vl-30b-a3b-48layer --bits 4 --no-progress 2>&1 | tail -3
-        cp /tmp/bench/image-1056.png /tmp/bench-int4/ 2>/dev/null
-        STRATS=device-resident,all-resident,device-popularity,popularity
+        # the bf16 checkpoint (61 GB) and its int4 copy (~16 GB) do not both fit the H200 lease's 64 GB of free
+        # disk: the copy goes to /dev/shm (RAM) when /tmp lacks the room
         OUTDIR=/tmp/bench-int4
+        avail() { df --output=avail -B1 "$1" 2>/dev/null | tail -1; }
+        if [ ! -d $OUTDIR/qwen3vl-30b-a3b-48layer ] && [ "$(avail /tmp)" -lt 20000000000 ]; then
+            OUTDIR=/dev/shm/bench-int4
+            [ "$(avail /dev/shm || echo 0)" -ge 20000000000 ] || { echo "no 20 GB free on /tmp or /dev/shm"; exit 1; }
+        fi
+        mkdir -p "$OUTDIR"
+        [ -d "$OUTDIR/qwen3vl-30b-a3b-48layer" ] || timeout $(( $(left) - 240 )) python3 -m vismmoe_edge.cli quantize \
+            "$MODEL" "$OUTDIR/qwen3vl-30b-a3b-48layer" --bits 4 --no-progress 2>&1 | tail -3
+        cp /tmp/bench/image-1056.png "$OUTDIR/" 2>/dev/null
+        STRATS=device-resident,all-resident,device-popularity,popularity
     fi
     timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 --new-tokens 16 \
         --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" --skip-accelerate \

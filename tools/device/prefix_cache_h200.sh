@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU server (device tool): one frame, many questions on the 48-layer Qwen3-VL-30B-A3B geometry (issue 26),
+# results under $OUT. Carry `.whl` (the transformers wheel we test against). Builds the discrete benchmark's
+# checkpoint unless a warm machine kept it (/tmp/bench), then runs tools/bench/prefix_cache.py against a real
+# daemon on the GPU with every weight resident: time to first token of the second question about one image
+# against the first's (target <= 20%), and the identity of the second reply with a cold prefill.
+#   bash tools/device/prefix_cache_h200.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+RUNS=${RUNS:-5}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+python3 tools/bench/prefix_cache.py --model /tmp/bench/qwen3vl-30b-a3b-48layer --device cuda \
+    --image /tmp/bench/image-1056.png --runs "$RUNS" --serve-arg=--memory-budget --serve-arg=100% \
+    --serve-arg=--host-tier --serve-arg=off --log "$OUT/daemon.log" --json "$OUT/prefix_cache_h200.json" 2>&1 \
+    | tee "$OUT/prefix_cache.log"
