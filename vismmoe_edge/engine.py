@@ -493,8 +493,6 @@ class Engine:
         logits, state = self.prefill(inputs, timings, use_cache=use_cache)
         self._check_finite(logits, "prefill", self.prefill, inputs)
         token = sampler(logits, 0)
-        if sampling.max_new_tokens > 1 and token not in stop_ids:
-            self.start_decode(state, sampling.max_new_tokens)
         timings.prefill_s = time.perf_counter() - start
         yield token
         try:
@@ -515,6 +513,8 @@ class Engine:
     ) -> Iterator[int]:
         produced = 1
         decode_start = time.perf_counter()
+        if sampling.max_new_tokens > 1 and token not in stop_ids:  # after the first token: a capacity's first
+            self.start_decode(state, sampling.max_new_tokens)  # request builds its decoder (~1-2 s at 30B, H200)
         while produced < sampling.max_new_tokens and token not in stop_ids:
             if should_stop is not None and should_stop():
                 return
