@@ -248,6 +248,41 @@ def test_host_mirror_of_an_untransposed_checkpoint_is_mapped(checkpoints) -> Non
             assert int((table.host_addrs[..., 0] != 0).sum()) == len(keys)
 
 
+def test_auto_reads_experts_in_place_only_where_the_host_tier_can_serve_every_miss(
+    checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VISMMOE_DEVICE_DECODE_MAPPED "auto" (static_decode.reads_host_in_place): on CUDA with Triton, where the
+    slots cannot hold every expert and the pinned mirror holds every streamed one slot-shaped; "1" and "0" as
+    given; anything else one line. The device itself is faked (engine-like objects over real catalogues)."""
+    from vismmoe_edge import static_decode as sd
+    from vismmoe_edge.errors import VismmoeError
+    from vismmoe_edge.experts.tiers.host_mirror import HostMirror
+
+    monkeypatch.setattr(sd, "HAS_TRITON", True)
+    monkeypatch.setattr(sd, "use_triton", lambda w: True)
+    engines = {layout: vismmoe_edge.load(checkpoints[layout], memory_budget="100%", device="cpu", tier="host")
+               for layout in ("v5", "hub")}  # fmt: skip
+
+    def engine_like(layout: str, *, drop: int = 0, capacity: int = 4, device: str = "cuda") -> SimpleNamespace:
+        engine = engines[layout]
+        keys = sorted(engine.catalogue.experts)[drop:]
+        tier = SimpleNamespace(mirror=HostMirror(engine.catalogue, keys, pin=False), form=None,
+                               gate_up=torch.zeros(1, dtype=engine.dtype))  # fmt: skip
+        pipeline = SimpleNamespace(tier=tier, pinned={}, capacity=capacity)
+        return SimpleNamespace(device=torch.device(device), catalogue=engine.catalogue,
+                               experts=SimpleNamespace(pipeline=pipeline))  # fmt: skip
+
+    every = len(engines["v5"].catalogue.experts)
+    assert sd.reads_host_in_place("auto", engine_like("v5"))
+    assert not sd.reads_host_in_place("auto", engine_like("v5", capacity=every))  # every expert fits a slot
+    assert not sd.reads_host_in_place("auto", engine_like("v5", drop=1))  # one expert only on disk
+    assert not sd.reads_host_in_place("auto", engine_like("hub"))  # transposed: the kernels cannot read it
+    assert not sd.reads_host_in_place("auto", engine_like("v5", device="cpu"))
+    assert sd.reads_host_in_place("1", engine_like("hub")) and not sd.reads_host_in_place("0", engine_like("v5"))
+    with pytest.raises(VismmoeError, match="VISMMOE_DEVICE_DECODE_MAPPED='yes': use auto, 1 or 0"):
+        sd.reads_host_in_place("yes", engine_like("v5"))
+
+
 @pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
 def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
     """Two experts in pool slots, one read in place from a slot-shaped host buffer, one absent and unmapped."""

@@ -36,7 +36,7 @@ from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patc
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.results import GenerationResult, Timings
 from vismmoe_edge.sampling import Sampler, SamplingConfig
-from vismmoe_edge.static_decode import StaticDecoder, capacity_for, compiles_layers
+from vismmoe_edge.static_decode import StaticDecoder, capacity_for, compiles_layers, reads_host_in_place
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
@@ -100,8 +100,8 @@ class Engine:
         # The whole decode token on the device (static_decode.StaticDecoder.token_step): "auto" (on CUDA where
         # every expert stays in the slot pool and nothing observes the routing as it happens), "on", "off".
         self.device_decode = os.environ.get("VISMMOE_DEVICE_DECODE", "auto")
-        # ... and, with the pinned host tier, experts not in a GPU slot read in place over the bus (not yet measured)
-        self.device_decode_mapped = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "0") == "1"
+        # ... experts in no GPU slot read in place over the bus from the pinned host tier: "auto", "1", "0"
+        self.device_decode_mapped: bool | str = os.environ.get("VISMMOE_DEVICE_DECODE_MAPPED", "auto")
         # ... its layers compiled (kernels/decode_layer.py): "auto" (CUDA with Triton), True or "1", False or "0"
         self.compile_decode: bool | str = os.environ.get("VISMMOE_COMPILE_DECODE", "auto")
         # ... launching each token before the host reads the one before it: "auto" (the pool holds every expert),
@@ -355,17 +355,16 @@ class Engine:
 
     def uses_device_decode(self) -> bool:
         """Routing read on the device through the expert table needs nothing to watch it per layer (a predictor,
-        route hooks) and, under "auto", a pool that never misses (every expert resident): a miss redoes a token."""
+        route hooks) and, under "auto", a pool that never misses (every expert resident, or every other one
+        readable in place from the host tier, `reads_host_in_place`): a miss redoes a token."""
         rt = self.experts
-        if self.device_decode == "off" or rt.predictor is not None or rt.predictor_worker is not None:
-            return False
-        if rt.route_hooks:
+        if self.device_decode == "off" or rt.predictor is not None or rt.predictor_worker is not None or rt.route_hooks:
             return False
         if self.device_decode == "on":
             return True
-        pipeline = rt.pipeline
-        resident = len(pipeline.pinned) + pipeline.capacity >= len(self.catalogue.experts)
-        return self.device.type == "cuda" and resident
+        resident = len(rt.pipeline.pinned) + rt.pipeline.capacity >= len(self.catalogue.experts)
+        in_place = self.device_decode_mapped == "auto" and reads_host_in_place("auto", self)
+        return self.device.type == "cuda" and (resident or in_place)
 
     def start_decode(self, state: DecodeState, max_new_tokens: int) -> None:
         """Hand the prefill's cache to the preallocated-cache decoder (one per capacity, graphs captured once)."""
@@ -375,7 +374,7 @@ class Engine:
         routed_k = replay.trace.top_k if replay is not None else self.context.top_k
         capacity = capacity_for(max(layer.keys.shape[2] for layer in state.cache.layers) + max_new_tokens + 1)
         on_device = self.uses_device_decode()
-        mapped = on_device and self.device_decode_mapped
+        mapped = on_device and reads_host_in_place(self.device_decode_mapped, self)
         fused = on_device and compiles_layers(self.compile_decode, self.device)
         key = (capacity, routed_k, on_device, mapped, fused)
         decoder = self._decoders.get(key)

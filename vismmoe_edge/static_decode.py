@@ -28,7 +28,7 @@ from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import promote_host_reads
-from vismmoe_edge.experts.table import ExpertTable
+from vismmoe_edge.experts.table import ExpertTable, slot_shaped
 from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
@@ -52,6 +52,30 @@ def compiles_layers(mode: bool | str, device: torch.device) -> bool:
     if mode != "auto":
         raise VismmoeError(f"VISMMOE_COMPILE_DECODE={mode!r}: use auto, 1 or 0")
     return device.type == "cuda" and HAS_TRITON
+
+
+def reads_host_in_place(mode: bool | str, engine: Any) -> bool:
+    """`engine.device_decode_mapped` / VISMMOE_DEVICE_DECODE_MAPPED: whether a device token reads the experts no
+    slot holds in place from the pinned host mirror (ExpertTable.map_host). True or "1": wherever it can; False or
+    "0": never (a token that needs such an expert is redone per layer); "auto": where the slots cannot hold every
+    expert and the mirror holds all of them slot-shaped, on CUDA with Triton (at 20 GiB on the H200: 38.7-40.8
+    tok/s, against 18.6-22.0 redoing tokens and 20.6-21.6 on the per-layer path; docs/benchmarks.md)."""
+    if mode in (True, "1"):
+        return True
+    if mode in (False, "0"):
+        return False
+    if mode != "auto":
+        raise VismmoeError(f"VISMMOE_DEVICE_DECODE_MAPPED={mode!r}: use auto, 1 or 0")
+    pipeline, catalogue = engine.experts.pipeline, engine.catalogue
+    tier = pipeline.tier
+    if engine.device.type != "cuda" or not HAS_TRITON or tier.mirror is None or tier.form is not None:
+        return False
+    if len(pipeline.pinned) + pipeline.capacity >= len(catalogue.experts):  # every expert fits: nothing to read
+        return False
+    streamed = set(catalogue.experts) - set(pipeline.pinned)
+    if not streamed <= set(tier.mirror.keys) or not use_triton(tier.gate_up):
+        return False
+    return all(slot_shaped(catalogue.expert(*key).parts, tier.gate_up.dtype) for key in streamed)
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}

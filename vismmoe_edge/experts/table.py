@@ -70,10 +70,7 @@ class ExpertTable:
         mapped = 0
         for key in mirror.keys:
             parts = catalogue.expert(*key).parts
-            kinds = tuple(p.kind for p in parts)
-            if kinds not in (("gate_up", "down"), ("gate", "up", "down")):
-                return 0
-            if any(p.transposed or TORCH_DTYPES[p.dtype] != dtype for p in parts):
+            if not slot_shaped(parts, dtype):
                 return 0
             base = mirror.expert(key).data_ptr()
             addrs[key[0], key[1], 0] = base
@@ -81,3 +78,11 @@ class ExpertTable:
             mapped += 1
         self.host_addrs = addrs.to(self.slots.device)
         return mapped
+
+
+def slot_shaped(parts, dtype: torch.dtype) -> bool:  # type: ignore[no-untyped-def]
+    """An expert stored as a slot holds it (gate_up then down, or gate, up, down; untransposed; in `dtype`), so its
+    bytes in the host mirror can be read in place by the slot kernels."""
+    if tuple(p.kind for p in parts) not in (("gate_up", "down"), ("gate", "up", "down")):
+        return False
+    return not any(p.transposed or TORCH_DTYPES[p.dtype] != dtype for p in parts)
