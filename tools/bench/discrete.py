@@ -233,8 +233,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True, device_decode: str = "off", mapped: bool = False,
-              compiled: bool = False, ahead: str = "auto") -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool | str = False,
+              compiled: bool | str = False, ahead: str = "auto") -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -501,6 +501,7 @@ def main() -> None:
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
                     "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
+                    "budget-default (the engine's own choices at the budget), "
                     "unified-slots, "
                     "unified-registered, "
                     "device-unified-slots, hf-static, hf-static-no-cudnn, "
@@ -546,7 +547,8 @@ def main() -> None:
     if not args.baselines_only:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
-        budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped"}
+        budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
+                       "budget-default"}  # fmt: skip
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
@@ -571,6 +573,8 @@ def main() -> None:
                  {"device_decode": "auto", "compiled": True, "ahead": "off"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
+                # the engine's own choices at this budget (device path, in-place reads, compiled layers: "auto")
+                ("budget", "budget-default", {"device_decode": "auto", "mapped": "auto", "compiled": "auto"}),
             ]
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))
@@ -602,6 +606,11 @@ def main() -> None:
                 engines["budget"].device_decode = "off"
                 profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
                 print("profile", profiles[-1], flush=True)
+                if "device-mapped" in wanted:  # where a 20 GiB device token's time goes
+                    engines["budget"].device_decode, engines["budget"].device_decode_mapped = "on", True
+                    mapped = profile_decode(engines["budget"], image, replay)
+                    profiles.append({"engine": "20 GiB, device path, misses read in place", **mapped})
+                    print("profile", profiles[-1], flush=True)
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"
                 engines["all-resident"].compile_decode = False

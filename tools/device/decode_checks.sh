@@ -103,7 +103,7 @@ bench|bench-int4)
     [ -f .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz ] && REPLAY=(--replay-trace .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz)
     [ ${#REPLAY[@]} -eq 0 ] && echo "no .carry trace: sampled routing only"
     if [ "$MODE" = bench ]; then
-        STRATS=device-resident,all-resident,device-mapped,device-popularity,popularity,device-unified-slots
+        STRATS=device-resident,all-resident,device-mapped,budget-default,device-popularity,popularity,device-unified-slots
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"
