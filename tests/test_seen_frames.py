@@ -9,9 +9,9 @@ import torch
 
 from tests.hf_reference import NEW_TOKENS
 from vismmoe_edge.prefix_cache import PrefixCache
-from vismmoe_edge.prompt import build_messages, load_image
+from vismmoe_edge.prompt import PromptInputs, build_messages, load_image
 from vismmoe_edge.sampling import SamplingConfig
-from vismmoe_edge.seen_frames import applies, encode_seen, remember
+from vismmoe_edge.seen_frames import applies, encode_seen, frame_keys, remember
 
 
 def greedy() -> SamplingConfig:
@@ -32,13 +32,16 @@ def test_a_seen_pair_of_images_gives_the_processors_ids_and_transformers_tokens(
     second = build_messages("Which image has more blue?", 2)  # tests/hf_reference.py's "two_images" prompt
     assert applies(engine, second, 2, 0)
 
-    assert encode_seen(engine, first, datas) is None  # never seen
+    def lookup(messages: list[dict], images: list[bytes]) -> PromptInputs | None:
+        return encode_seen(engine, messages, frame_keys(engine, images))
+
+    assert lookup(first, datas) is None  # never seen
     inputs = engine.encode_messages(first, pil)
-    remember(engine, datas, inputs)
-    assert encode_seen(engine, second, datas) is None  # remembered, but no vision features cached yet
+    remember(engine, frame_keys(engine, datas), inputs)
+    assert lookup(second, datas) is None  # remembered, but no vision features cached yet
     engine.generate_from_inputs(inputs, greedy())  # its prefill keeps both images' features
 
-    seen = encode_seen(engine, second, datas)
+    seen = lookup(second, datas)
     full = engine.encode_messages(second, pil)
     assert seen is not None and seen.pixel_values is None and seen.vision is not None
     assert torch.equal(seen.input_ids, full.input_ids) and torch.equal(seen.input_ids, question.input_ids)
@@ -49,11 +52,11 @@ def test_a_seen_pair_of_images_gives_the_processors_ids_and_transformers_tokens(
     assert result.timings.vision_cached_images == 2 and result.timings.prefix_reused_tokens > 0
     assert cache.stats().frame_hits == 2
 
-    assert encode_seen(engine, second, datas[::-1]) is not None  # each image by its own bytes, in prompt order
-    assert encode_seen(engine, second, [datas[0], datas[0] + b"\0"]) is None  # other bytes: decoded as usual
-    assert encode_seen(engine, build_messages("Hi", 1), datas) is None  # parts and images disagree
+    assert lookup(second, datas[::-1]) is not None  # each image by its own bytes, in prompt order
+    assert lookup(second, [datas[0], datas[0] + b"\0"]) is None  # other bytes: decoded as usual
+    assert lookup(build_messages("Hi", 1), datas) is None  # parts and images disagree
     cache.clear()
-    assert encode_seen(engine, second, datas) is None  # the features are gone
+    assert lookup(second, datas) is None  # the features are gone
 
 
 def test_only_where_the_prompt_can_be_rebuilt(checkpoints: dict[str, Path]) -> None:

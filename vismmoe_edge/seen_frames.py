@@ -21,17 +21,21 @@ from typing import Any
 import torch
 
 from vismmoe_edge.models.ops import VisualFeatures
-from vismmoe_edge.prefix_cache import PrefixCache, processor_settings
+from vismmoe_edge.prefix_cache import processor_settings
 from vismmoe_edge.prefix_keys import cached_vision
 from vismmoe_edge.prompt import PromptInputs, count_parts
 
 
-def frame_key(cache: PrefixCache, processor: Any, data: bytes) -> str:
-    """The address of an image as received: its encoded bytes, the processor's settings and the model's salt."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update((cache.salt + processor_settings(processor)).encode())
-    h.update(data)
-    return h.hexdigest()
+def frame_keys(engine: Any, datas: list[bytes]) -> list[str]:
+    """The address of each image as received: its encoded bytes, the processor's settings and the model's salt.
+    Computed once per request: `encode_seen` looks them up, `remember` stores them after a miss."""
+    settings = (engine.prefix_cache.salt + processor_settings(engine.processor)).encode()
+    keys = []
+    for data in datas:
+        h = hashlib.blake2b(settings, digest_size=16)
+        h.update(data)
+        keys.append(h.hexdigest())
+    return keys
 
 
 def applies(engine: Any, messages: list[dict[str, Any]], num_images: int, num_videos: int) -> bool:
@@ -45,13 +49,13 @@ def applies(engine: Any, messages: list[dict[str, Any]], num_images: int, num_vi
     )
 
 
-def encode_seen(engine: Any, messages: list[dict[str, Any]], datas: list[bytes]) -> PromptInputs | None:
-    """The prompt for `messages` whose images are `datas` (encoded bytes, in order), or None unless every image
+def encode_seen(engine: Any, messages: list[dict[str, Any]], frames: list[str]) -> PromptInputs | None:
+    """The prompt for `messages` whose images are `frames` (`frame_keys`, in order), or None unless every image
     was seen and its vision features are still cached: the caller then decodes and processes as usual. The
     features are taken now and travel with the inputs, so an eviction before the prefill cannot lose them."""
     cache, processor = engine.prefix_cache, engine.processor
-    seen = [cache.frame(frame_key(cache, processor, data)) for data in datas]
-    if any(s is None for s in seen) or count_parts(messages, "image") != len(datas):
+    seen = [cache.frame(frame) for frame in frames]
+    if any(s is None for s in seen) or count_parts(messages, "image") != len(frames):
         return None
     keys = [s[0] for s in seen]  # type: ignore[index]
     grid = torch.tensor([s[1] for s in seen], dtype=torch.long)  # type: ignore[index]
@@ -60,7 +64,7 @@ def encode_seen(engine: Any, messages: list[dict[str, Any]], datas: list[bytes])
         return None
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     parts = text.split(processor.image_token)
-    if len(parts) != len(datas) + 1:
+    if len(parts) != len(frames) + 1:
         return None  # a template that writes the placeholder other than once per image part
     merge = processor.image_processor.merge_size
     counts = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
@@ -71,10 +75,9 @@ def encode_seen(engine: Any, messages: list[dict[str, Any]], datas: list[bytes])
     return PromptInputs(input_ids, None, grid, mm_types, image_keys=keys, vision=visual)
 
 
-def remember(engine: Any, datas: list[bytes], inputs: PromptInputs) -> None:
-    """After a request was encoded the usual way: its images' bytes stand for their pixel keys and grids."""
-    if inputs.image_keys is None or inputs.image_grid_thw is None or len(inputs.image_keys) != len(datas):
+def remember(engine: Any, frames: list[str], inputs: PromptInputs) -> None:
+    """After a request was encoded the usual way: its images' `frame_keys` stand for their pixel keys and grids."""
+    if inputs.image_keys is None or inputs.image_grid_thw is None or len(inputs.image_keys) != len(frames):
         return
-    cache, processor = engine.prefix_cache, engine.processor
-    for data, key, grid in zip(datas, inputs.image_keys, inputs.image_grid_thw.tolist(), strict=True):
-        cache.remember_frame(frame_key(cache, processor, data), key, tuple(grid))
+    for frame, key, grid in zip(frames, inputs.image_keys, inputs.image_grid_thw.tolist(), strict=True):
+        engine.prefix_cache.remember_frame(frame, key, tuple(grid))

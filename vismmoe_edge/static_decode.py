@@ -28,7 +28,7 @@ from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import promote_host_reads
-from vismmoe_edge.experts.table import ExpertTable, slot_shaped
+from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
@@ -72,10 +72,8 @@ def reads_host_in_place(mode: bool | str, engine: Any) -> bool:
         return False
     if len(pipeline.pinned) + pipeline.capacity >= len(catalogue.experts):  # every expert fits: nothing to read
         return False
-    streamed = set(catalogue.experts) - set(pipeline.pinned)
-    if not streamed <= set(tier.mirror.keys) or not use_triton(tier.gate_up):
-        return False
-    return all(slot_shaped(catalogue.expert(*key).parts, tier.gate_up.dtype) for key in streamed)
+    mirrors_streamed = len(pipeline.pinned) + len(tier.mirror.keys) >= len(catalogue.experts)  # (it holds no pinned)
+    return mirrors_streamed and use_triton(tier.gate_up) and tier.mirror.slot_shaped(tier.gate_up.dtype)
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}

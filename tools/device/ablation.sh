@@ -4,7 +4,7 @@
 set -uo pipefail
 CODE=${CODE:-$PWD}
 predictor=${1:?usage: device_ablation.sh PREDICTOR.onnx}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$CODE PYTHONUNBUFFERED=1 TQDM_MININTERVAL=20
+. "$(dirname "$0")/carried_wheels.sh"
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=20
 timeout 170 python3 "$CODE/tools/bench/ablation.py" --model vismmoe_edge/demo_model --predictor-file "$predictor" \
     --device cuda --tier gpu --memory-budget 40% --pinned-layers 2 --prompts 8 --rounds 2 --json "$OUT/ablation-h200.json"

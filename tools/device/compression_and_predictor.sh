@@ -11,12 +11,7 @@
 #   CODE=DIR takes the package and tools from DIR (a clean snapshot) instead of the working tree.
 set -uo pipefail
 CODE=${CODE:-$PWD}
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$CODE
-else
-    export PYTHONPATH=$CODE
-fi
+. "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=20
 CLI=(python3 -m vismmoe_edge.cli)
 M=vismmoe_edge/demo_model

@@ -28,12 +28,7 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 LIMIT=530  # seconds: the call's 9 minutes less the wheel install and a margin
 left() { echo $((LIMIT - ($(date +%s) - T0))); }
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 python3 setup.py -q build_ext --inplace > "$OUT/native-build.log" 2>&1 || echo "native helper not built (see native-build.log)"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'

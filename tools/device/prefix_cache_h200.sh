@@ -9,12 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 RUNS=${RUNS:-5}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
 python3 tools/bench/prefix_cache.py --model /tmp/bench/qwen3vl-30b-a3b-48layer --device cuda \

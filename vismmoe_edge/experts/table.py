@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from vismmoe_edge.checkpoint import TORCH_DTYPES
 from vismmoe_edge.experts.pipeline import ExpertPipeline
 
 ABSENT = -1
@@ -66,23 +65,15 @@ class ExpertTable:
     def map_host(self, mirror, catalogue, dtype: torch.dtype) -> int:  # type: ignore[no-untyped-def]
         """Fill `host_addrs` from a HostMirror whose experts are slot-shaped: parts gate_up then down (or gate, up,
         down), untransposed, in `dtype`. Returns how many experts were mapped (0: the layout does not allow it)."""
+        if not mirror.slot_shaped(dtype):
+            return 0
         addrs = torch.zeros(*self.host.shape, 2, dtype=torch.int64)
         mapped = 0
         for key in mirror.keys:
             parts = catalogue.expert(*key).parts
-            if not slot_shaped(parts, dtype):
-                return 0
             base = mirror.expert(key).data_ptr()
             addrs[key[0], key[1], 0] = base
             addrs[key[0], key[1], 1] = base + sum(p.nbytes for p in parts[:-1])
             mapped += 1
         self.host_addrs = addrs.to(self.slots.device)
         return mapped
-
-
-def slot_shaped(parts, dtype: torch.dtype) -> bool:  # type: ignore[no-untyped-def]
-    """An expert stored as a slot holds it (gate_up then down, or gate, up, down; untransposed; in `dtype`), so its
-    bytes in the host mirror can be read in place by the slot kernels."""
-    if tuple(p.kind for p in parts) not in (("gate_up", "down"), ("gate", "up", "down")):
-        return False
-    return not any(p.transposed or TORCH_DTYPES[p.dtype] != dtype for p in parts)

@@ -270,11 +270,12 @@ class Worker:
         datas = [image.data for image in request.images]
         videos = len(request.videos)
         fast = request.prefix_cache and seen_frames.applies(self.engine, request.messages, len(datas), videos)
-        inputs = seen_frames.encode_seen(self.engine, request.messages, datas) if fast else None
+        frames = seen_frames.frame_keys(self.engine, datas) if fast else []
+        inputs = seen_frames.encode_seen(self.engine, request.messages, frames) if fast else None
         if inputs is None:
             inputs = self.decode_and_encode(request)
             if fast:
-                seen_frames.remember(self.engine, datas, inputs)
+                seen_frames.remember(self.engine, frames, inputs)
         n = inputs.num_tokens
         if n > self.limits.max_prompt_tokens:
             raise bad_request(

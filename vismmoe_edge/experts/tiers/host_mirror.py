@@ -38,6 +38,21 @@ class HostMirror:
         self.per_chunk = per_chunk
         self.index = {key: i for i, key in enumerate(self.keys)}
         self.nbytes = len(self.keys) * self.expert_bytes
+        self._slot_shaped: dict[torch.dtype, bool] = {}
+
+    def slot_shaped(self, dtype: torch.dtype) -> bool:
+        """Whether every expert here is stored as a slot holds it (gate_up then down, or gate, up, down;
+        untransposed; in `dtype`), so that the slot kernels can read its bytes in place. Asked once per request
+        on a daemon's path and fixed at load: computed once per dtype."""
+        if dtype not in self._slot_shaped:
+
+            def as_slot(parts: tuple[ExpertPart, ...]) -> bool:
+                if tuple(p.kind for p in parts) not in (("gate_up", "down"), ("gate", "up", "down")):
+                    return False
+                return not any(p.transposed or TORCH_DTYPES[p.dtype] != dtype for p in parts)
+
+            self._slot_shaped[dtype] = all(as_slot(self.catalogue.expert(*key).parts) for key in self.keys)
+        return self._slot_shaped[dtype]
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self.index
