@@ -190,6 +190,9 @@ def test_cuda_device_token_matches_transformers(tmp_path: Path, images: list[Pat
         assert engine.generate_from_inputs(inputs, sampling).token_ids == out[0, inputs.num_tokens :].tolist(), prompt
     decoders = [d for d in engine._decoders.values() if d.on_device]
     assert decoders and all(d.graphs for d in decoders)
+    if budget == "100%":  # the budget holds every expert: all loaded at load (runtime.resident_layers)
+        assert len(engine.experts.pipeline.pinned) == len(engine.catalogue.experts) and engine.pinned_layers == 1
+        assert sum(d.redone for d in decoders) == 0 and sum(d.ran_ahead for d in decoders) > 0
     if budget == "25%":
         assert sum(d.redone for d in decoders) > 0  # misses redone on the per-layer path, tokens still equal
 
@@ -223,6 +226,18 @@ def test_cuda_compiled_decoder_keeps_the_weights_earlier_graphs_read(tmp_path: P
     assert runs[2] == runs[0]
     assert len(runs[1]) == NEW_TOKENS
     assert {d.fused.compiled for d in engine._decoders.values() if d.fused is not None} == {True}
+
+
+def test_gpu_slots_load_every_expert_where_the_budget_holds_them_all() -> None:
+    """runtime.resident_layers: GPU slots whose budget holds every expert load them all now (a cold pool would
+    redo a device token per miss); short of that, or in host memory, only the pinned prefix."""
+    from vismmoe_edge.experts.runtime import resident_layers
+
+    layers, layer_bytes = [1, 2, 3, 4], 100
+    assert resident_layers("device", layers, [1], layer_bytes, 400) == layers
+    assert resident_layers("device", layers, [1], layer_bytes, 399) == [1]
+    assert resident_layers("host", layers, [1], layer_bytes, 400) == [1]  # CPU slots start cold, as before
+    assert resident_layers("device", layers, [], layer_bytes, 10_000) == layers
 
 
 def test_host_mirror_of_an_untransposed_checkpoint_is_mapped(checkpoints) -> None:
@@ -316,6 +331,7 @@ class _InlineTier(TierDefaults):
 
     def __init__(self) -> None:
         self.released: list[tuple[int, int]] = []
+        self.calls: list[tuple[str, tuple[int, int]]] = []  # ("done" | "fetch", key) in order
 
     def can_fetch_inline(self, key) -> bool:  # type: ignore[no-untyped-def]
         return True
@@ -323,6 +339,7 @@ class _InlineTier(TierDefaults):
     def fetch(self, key, slot):  # type: ignore[no-untyped-def]
         from vismmoe_edge.experts.store import ExpertWeights
 
+        self.calls.append(("fetch", key))
         return ExpertWeights(torch.zeros(1), torch.zeros(1))
 
     def release(self, key, slot) -> None:  # type: ignore[no-untyped-def]
@@ -332,7 +349,7 @@ class _InlineTier(TierDefaults):
         pass
 
     def done(self, key, slot) -> None:  # type: ignore[no-untyped-def]
-        pass
+        self.calls.append(("done", key))
 
     def read_bytes(self, key) -> int:  # type: ignore[no-untyped-def]
         return 100
@@ -340,7 +357,7 @@ class _InlineTier(TierDefaults):
 
 def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows() -> None:
     from vismmoe_edge.experts.pipeline import ExpertPipeline
-    from vismmoe_edge.experts.promotion import promote_host_reads
+    from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
     from vismmoe_edge.experts.table import ExpertTable
 
     tier = _InlineTier()
@@ -350,9 +367,12 @@ def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows
         assert pipeline.promote(1, 1) is not None and pipeline.promote(1, 2) is not None
         assert pipeline.promote(1, 1) is None  # already in a slot
         assert pipeline.promote(1, 3) is not None and tier.released == [(1, 1)]  # the oldest made room
+        # compute's last read of the victim is marked before its slot is filled: a token launched ahead may read it
+        assert tier.calls[-2:] == [("done", (1, 1)), ("fetch", (1, 3))]
         assert set(pipeline.resident_slots()) == {(1, 2), (1, 3)}
         table.sync(pipeline)
         routing = torch.tensor([[3, 5, 6]])  # expert 3 read from its slot; 5 and 6 from the host tier
+        assert count_host_reads(table, [1], routing) == 2
         assert promote_host_reads(pipeline, table, [1], routing, limit=1) == 1  # the cap holds
         assert set(table.arriving) == {(1, 5)}
         table.sync(pipeline)  # on the CPU a fill has landed when the fetch returns: the table takes it at once
@@ -403,3 +423,24 @@ def test_decode_switches_refuse_unknown_values(checkpoints, monkeypatch: pytest.
     store = SimpleNamespace(device=torch.device("cuda"), catalogue=SimpleNamespace(quant=int4, experts=[]))
     with pytest.raises(VismmoeError, match="VISMMOE_INT4_SLOTS='fast': use auto, triton or tinygemm"):
         triton_int4_slots(store, 1)  # type: ignore[arg-type]
+
+
+def test_tokens_run_ahead_where_no_token_can_miss() -> None:
+    """StaticDecoder.runs_ahead under "auto": the pool holds every expert, or the host tier every one it does not
+    (read in place: a promotion waits for the token in flight, ExpertPipeline.promote); never with a replayed
+    trace or the embedding read on the host; "off" never."""
+    from vismmoe_edge.static_decode import StaticDecoder
+
+    def decoder(capacity: int, mapped: int, *, mode: str = "auto", replay: object = None) -> SimpleNamespace:
+        pipeline = SimpleNamespace(pinned={(0, e): None for e in range(4)}, capacity=capacity)
+        engine = SimpleNamespace(decode_ahead=mode, catalogue=SimpleNamespace(experts=range(16)),
+                                 experts=SimpleNamespace(pipeline=pipeline, replay=replay))  # fmt: skip
+        return SimpleNamespace(engine=engine, host_row=None, mapped_experts=mapped)
+
+    assert StaticDecoder.runs_ahead(decoder(12, 0))  # 4 pinned + 12 slots: every expert
+    assert not StaticDecoder.runs_ahead(decoder(6, 0))  # a miss would redo a token
+    assert StaticDecoder.runs_ahead(decoder(6, 12))  # every streamed expert readable in place
+    assert not StaticDecoder.runs_ahead(decoder(6, 11))
+    assert not StaticDecoder.runs_ahead(decoder(12, 0, replay=object()))
+    assert not StaticDecoder.runs_ahead(decoder(12, 0, mode="off"))
+    assert StaticDecoder.runs_ahead(decoder(6, 0, mode="on"))

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
-from vismmoe_edge.experts.quant_pool import _int8_batched, decode_quantized, prefill_quantized
+from vismmoe_edge.experts.pool_compute import grouped_mm_works, per_slot_experts
+from vismmoe_edge.experts.quant_pool import _int8_batched, decode_quantized, prefill_quantized, prefill_rowmajor_int4
 from vismmoe_edge.quant.config import make_config
-from vismmoe_edge.quant.kernels import dequantize_expert, expert_views
+from vismmoe_edge.quant.kernels import dequantize_expert, dequantize_matrix, expert_views
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert
 from vismmoe_edge.quant.slot_form import SlotForm
@@ -91,6 +92,35 @@ def test_prefill_matches_the_dequantized_weights(bits: int) -> None:
     slots = torch.stack([torch.randperm(SLOTS, generator=g)[:K] for _ in range(9)])  # every slot, some many times
     weights = torch.softmax(torch.randn(9, K, generator=g), -1)
     assert rel(prefill_quantized(x, slots, weights, records, form, F.silu), reference(x, slots, weights, dense)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_prefill_of_triton_form_slots_is_the_per_slot_dequantize_path(dtype: torch.dtype) -> None:
+    """Slots in row-major nibbles (the Triton decode form) prefill by dequantizing a chunk of slots at once: the
+    same weights as dequantize_matrix, so slot by slot (no grouped GEMM) the output equals the per-slot
+    dequantize + F.linear path (CUDA's) exactly, chunk boundaries included; grouped, within float rounding."""
+    spec, records, dense = make_pool(4, ROWMAJOR, seed=4)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    assert form.triton_int4 and not form.rebuilds
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(11, HIDDEN, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(SLOTS, generator=g)[:K] for _ in range(11)])
+    weights = torch.softmax(torch.randn(11, K, generator=g), -1).to(dtype)
+
+    def per_slot(slot: int, rows: torch.Tensor) -> torch.Tensor:
+        expert = form.views(records[slot])
+        gate, up = F.linear(rows, dequantize_matrix(expert.gate_up, dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, dequantize_matrix(expert.down, dtype))
+
+    expected = per_slot_experts(x, slots, weights, per_slot)
+    for chunk in (1, 4, SLOTS):
+        got = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=False, chunk=chunk)
+        assert torch.equal(got, expected), chunk
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(got, reference(x, slots, weights, dense)) < tol
+    if grouped_mm_works(dtype, torch.device("cpu")):
+        grouped = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, chunk=4)
+        assert rel(grouped, reference(x, slots, weights, dense)) < tol
 
 
 def test_a_slot_rebuilt_from_another_layout_computes_the_same() -> None:

@@ -27,12 +27,13 @@ from transformers import DynamicCache
 from vismmoe_edge.device_sampling import DeviceSampler
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
-from vismmoe_edge.experts.promotion import promote_host_reads
+from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
+from vismmoe_edge.switches import forced
 
 # KV capacity grows in steps of this many tokens, so that a few capture sizes serve every request length.
 CAPACITY_STEP = 512
@@ -45,13 +46,8 @@ def capacity_for(tokens: int) -> int:
 def compiles_layers(mode: bool | str, device: torch.device) -> bool:
     """`engine.compile_decode` / VISMMOE_COMPILE_DECODE: "auto" compiles on CUDA with Triton; True or "1" always
     (a compiler failure still falls back to eager); False or "0" never."""
-    if mode in (True, "1"):
-        return True
-    if mode in (False, "0"):
-        return False
-    if mode != "auto":
-        raise VismmoeError(f"VISMMOE_COMPILE_DECODE={mode!r}: use auto, 1 or 0")
-    return device.type == "cuda" and HAS_TRITON
+    choice = forced(mode, "VISMMOE_COMPILE_DECODE")
+    return device.type == "cuda" and HAS_TRITON if choice is None else choice
 
 
 def reads_host_in_place(mode: bool | str, engine: Any) -> bool:
@@ -60,12 +56,9 @@ def reads_host_in_place(mode: bool | str, engine: Any) -> bool:
     "0": never (a token that needs such an expert is redone per layer); "auto": where the slots cannot hold every
     expert and the mirror holds all of them slot-shaped, on CUDA with Triton (at 20 GiB on the H200: 38.7-40.8
     tok/s, against 18.6-22.0 redoing tokens and 20.6-21.6 on the per-layer path; docs/benchmarks.md)."""
-    if mode in (True, "1"):
-        return True
-    if mode in (False, "0"):
-        return False
-    if mode != "auto":
-        raise VismmoeError(f"VISMMOE_DEVICE_DECODE_MAPPED={mode!r}: use auto, 1 or 0")
+    choice = forced(mode, "VISMMOE_DEVICE_DECODE_MAPPED")
+    if choice is not None:
+        return choice
     pipeline, catalogue = engine.experts.pipeline, engine.catalogue
     tier = pipeline.tier
     if engine.device.type != "cuda" or not HAS_TRITON or tier.mirror is None or tier.form is not None:
@@ -353,6 +346,7 @@ class StaticDecoder:
         self.host_replay_weights = torch.zeros(len(layers), routed_k, dtype=torch.float32, pin_memory=on_gpu)
         self.redone = 0  # tokens whose table lookup missed and that ran again through the per-layer path
         self.promoted = 0  # experts brought into slots after tokens read them from the host tier
+        self.host_reads = 0  # routed experts that device tokens read in place from the host tier
 
     def _token(self) -> None:
         """Embed, every layer with its experts read through the table, the head, the next token: no host. The
@@ -393,7 +387,9 @@ class StaticDecoder:
                     index, weights, slots, missed = fused.route(i, x, table_row)
                 out = pool_decode(x, slots, weights, pool, act, summed=False)
             else:
-                if not replay:
+                if fused is not None and not replay:  # the router kernel; the table is read with the host's
+                    index, weights, _, _ = fused.route(i, x, table_row)
+                elif not replay:
                     _, weights, index = layer.mlp.gate(x)
                 out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
             if fused is None:
@@ -441,7 +437,9 @@ class StaticDecoder:
                     self.host_replay_index[m].copy_(index[0])
                     self.host_replay_weights[m].copy_(weights[0].float())
             current = self._launch(token, position, produced)
-        following = self._launch(None, position + 1) if ahead and self.runs_ahead() else None
+        following = None
+        if ahead and self.runs_ahead():  # (with host reads, the slots the last promotions filled are synced first)
+            following = self._launch(None, position + 1, sync=bool(self.mapped_experts))
         out = self._read(current)
         if bool(out.missed.any()):
             if following is not None:
@@ -457,6 +455,7 @@ class StaticDecoder:
         for m, layer in enumerate(self.moe_layers):  # after the fact: the eviction order sees this token's use
             pipeline.touch(layer, out.routing[m].tolist())
         if self.mapped_experts:  # experts read over the bus move into slots for later tokens
+            self.host_reads += count_host_reads(self.table, self.moe_layers, out.routing)
             self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, out.routing)
         chosen = int(out.token)
         if following is not None:
@@ -466,17 +465,18 @@ class StaticDecoder:
 
     def runs_ahead(self) -> bool:
         """Whether a token may be launched before the one before it is read: never when the host must act between
-        the two (promotion into slots, replayed routing, an embedding read on the host); under "auto" only when
-        the slot pool holds every expert (a miss, which also discards the token launched after it, then happens
-        only the first time an expert is used)."""
+        the two (replayed routing, an embedding read on the host); under "auto" only when no token can miss: the
+        slot pool holds every expert, or the host tier every one it does not (read in place; a promotion made
+        after a token waits for the token launched ahead before it fills a slot: ExpertPipeline.promote)."""
         mode = self.engine.decode_ahead
         if mode not in ("auto", "on", "off"):
             raise VismmoeError(f"VISMMOE_DECODE_AHEAD={mode!r}: use auto, on or off")
         rt = self.engine.experts
-        if mode == "off" or self.mapped_experts or self.host_row is not None or rt.replay is not None:
+        if mode == "off" or self.host_row is not None or rt.replay is not None:
             return False
-        pipeline = rt.pipeline
-        return mode == "on" or len(pipeline.pinned) + pipeline.capacity >= len(self.engine.catalogue.experts)
+        pipeline, total = rt.pipeline, len(self.engine.catalogue.experts)
+        held = len(pipeline.pinned) + max(pipeline.capacity, self.mapped_experts)
+        return mode == "on" or held >= total
 
     def settle(self) -> None:
         """Discard the token launched ahead, if any (a new request, other knobs, the end of a reply)."""
@@ -493,9 +493,12 @@ class StaticDecoder:
             self._discard(launched)
         return None
 
-    def _launch(self, token: int | None, position: int, produced: int | None = None) -> Launched:
+    def _launch(self, token: int | None, position: int, produced: int | None = None, *, sync: bool = False) -> Launched:
         """Queue one device token. A `token` from the host is filled in by kernels whose arguments carry the
-        values (so no pinned buffer a token in flight reads is rewritten); None runs on the device's last choice."""
+        values (so no pinned buffer a token in flight reads is rewritten); None runs on the device's last choice.
+        `sync`: bring the expert table up to date first (stream-ordered after the tokens in flight)."""
+        if sync:
+            self.table.sync(self.engine.experts.pipeline)
         if token is not None:
             self.token.fill_(token)
             self.position.fill_(position)

@@ -265,7 +265,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     sync()
     start = time.perf_counter()
     sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=seed)
-    before = {id(d): (d.ran_ahead, d.discarded) for d in engine._decoders.values() if getattr(d, "on_device", False)}
+    before = {id(d): (d.ran_ahead, d.discarded, d.redone, d.host_reads) for d in engine._decoders.values()
+              if getattr(d, "on_device", False)}  # fmt: skip
     # no sync per token: a token reaches the host only once read back from the GPU anyway, and a sync here would
     # also wait for the token launched ahead of it (StaticDecoder.token_step), hiding what launching ahead saves
     allocator = allocator_counts()
@@ -273,6 +274,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         times.append(time.perf_counter())
         if len(times) == 1:  # what the prefill cost the caching allocator: cudaMalloc calls, frees and retries
             allocator = {k: v - allocator[k] for k, v in allocator_counts().items()}
+            fetched_before_decode = pipeline.stats.bytes_read
     sync()
     if device_decode == "off":
         engine.experts.route_hooks.remove(record)
@@ -282,6 +284,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     log = pipeline.layer_log
     n_layers = len(engine.catalogue.moe_layers)
     decode_bytes = sum(x.bytes_read for x in log[len(log) - (new_tokens - 1) * n_layers :])
+    if decoders:  # device tokens log no layers: what the decode fetched (redone tokens' misses, promotions)
+        decode_bytes = pipeline.stats.bytes_read - fetched_before_decode
     worker = engine.experts.predictor_worker
     fills = getattr(pipeline.tier, "fill_stats", None)  # unified-slots: bytes read straight in (O_DIRECT) or copied
     return {
@@ -305,11 +309,14 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "routes": routes,
         "expert_bytes": engine.catalogue.expert_bytes,
         "device_decode": bool(decoders),
-        "tokens_redone": sum(d.redone for d in decoders),  # device tokens that missed and ran again per layer (all
-        # trials of this engine so far)
+        # this trial's device tokens that missed and ran again per layer
+        "tokens_redone": sum(d.redone - before.get(id(d), (0, 0, 0, 0))[2] for d in decoders),
         # this trial's tokens launched before the one before was read, and those thrown away
-        "tokens_ran_ahead": sum(d.ran_ahead - before.get(id(d), (0, 0))[0] for d in decoders),
-        "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0))[1] for d in decoders),
+        "tokens_ran_ahead": sum(d.ran_ahead - before.get(id(d), (0, 0, 0, 0))[0] for d in decoders),
+        "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0, 0, 0))[1] for d in decoders),
+        # experts this trial's device tokens read in place from the host tier, per decode token, and their GB
+        "host_reads_per_token": sum(d.host_reads - before.get(id(d), (0, 0, 0, 0))[3] for d in decoders)
+        / max(len(times) - 1, 1),
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
         "prefill_allocator": allocator,

@@ -15,6 +15,8 @@
 #                                                 unified-slots forced on the device path (device rows with compiled layers); profiles
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
+#                                                 (device path, compiled), then in the same call bf16 resident and
+#                                                 transformers' static cache (no cuDNN SDPA: its faster mode here)
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
 #                                                 equivalence checks and host syncs, the one-MoE-layer and
 #                                                 attention timings, then discrete.py resident: device path eager,
@@ -114,11 +116,21 @@ bench|bench-int4)
         [ -d "$OUTDIR/qwen3vl-30b-a3b-48layer" ] || timeout $(( $(left) - 240 )) python3 -m vismmoe_edge.cli quantize \
             "$MODEL" "$OUTDIR/qwen3vl-30b-a3b-48layer" --bits 4 --no-progress 2>&1 | tail -3
         cp /tmp/bench/image-1056.png "$OUTDIR/" 2>/dev/null
-        STRATS=device-resident,all-resident,device-popularity,popularity
+        # the device path, every expert resident, and the engine's own choices at 20 GiB (where int4 experts all
+        # fit); the same-call bf16 rows follow
+        STRATS=${INT4_STRATS:-device-resident,budget-default}
     fi
-    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 --new-tokens 16 \
-        --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" --skip-accelerate \
-        --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -40
+    BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-170}
+    timeout $(( $(left) - 10 - BF16_RESERVE )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 \
+        --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" \
+        --skip-accelerate --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
+        | grep -v "^ *[\"{}\[]" | tail -40
+    if [ "$MODE" = bench-int4 ]; then
+        echo "== same call: bf16 every expert resident (device path, compiled) and transformers' static cache"
+        timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+            --repeats 2 --strategies device-resident,hf-static-no-cudnn --routings sampled --skip-accelerate \
+            --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
+    fi
     ;;
 *)
     echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4 or compiled"; exit 2 ;;

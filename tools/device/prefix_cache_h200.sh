@@ -3,7 +3,8 @@
 # results under $OUT. Carry `.whl` (the transformers wheel we test against). Builds the discrete benchmark's
 # checkpoint unless a warm machine kept it (/tmp/bench), then runs tools/bench/prefix_cache.py against a real
 # daemon on the GPU with every weight resident: time to first token of the second question about one image
-# against the first's (target <= 20%), and the identity of the second reply with a cold prefill.
+# against the first's (target <= 20%), and the identity of the second reply with a cold prefill; before that,
+# tools/device/prefix_cache_checks.py: that identity in process, a differing token judged by the near-tie rule.
 #   bash tools/device/prefix_cache_h200.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -12,6 +13,10 @@ mkdir -p "$OUT"
 . "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+echo "== the second question's tokens against a cold prefill, under the near-tie rule (tiny bf16, then 48 layers)"
+timeout 200 python3 tools/device/prefix_cache_checks.py --out "$OUT/prefix_cache_checks.json" \
+    --model /tmp/bench/qwen3vl-30b-a3b-48layer --image /tmp/bench/image-1056.png 2>&1 | grep "^\["
+echo "== one frame, many questions against the daemon"
 python3 tools/bench/prefix_cache.py --model /tmp/bench/qwen3vl-30b-a3b-48layer --device cuda \
     --image /tmp/bench/image-1056.png --runs "$RUNS" --serve-arg=--memory-budget --serve-arg=100% \
     --serve-arg=--host-tier --serve-arg=off --log "$OUT/daemon.log" --json "$OUT/prefix_cache_h200.json" 2>&1 \

@@ -336,6 +336,7 @@ class ExpertPipeline:
                 return None
             slot, victim = taken
             if victim is not None:
+                self.tier.done(victim, slot)  # a token launched ahead may still read the victim: the fill waits
                 self.tier.release(victim, slot)
             entry = self._entries[key] = Entry(key, State.EXPIRED, priority)
             start = time.perf_counter()

@@ -42,3 +42,11 @@ def promote_host_reads(
                 table.arriving[key] = None if events is None else events[slot]
                 queued += 1
     return queued
+
+
+def count_host_reads(table: ExpertTable, moe_layers: list[int], routing: torch.Tensor) -> int:
+    """routing [moe layers, k] (host): how many of this token's experts the table has in no slot, i.e. were read in
+    place over the bus (a diagnostic: with a token launched ahead the table is one sync newer than the token's,
+    so a promotion that landed in between is not counted)."""
+    rows = table.host[torch.tensor(moe_layers, dtype=torch.long)]  # [moe layers, experts]
+    return int((rows.gather(1, routing.long()) < 0).sum())

@@ -26,7 +26,8 @@ def build_runtime(
     speculative_experts: int = 2 * 8,
     host_tier: bool = False,
 ) -> ExpertRuntime:
-    """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots.
+    """The pinned prefix is loaded now and counts against `budget_bytes`; the rest becomes cache slots (GPU slots
+    with a budget that holds every expert: all loaded now, `resident_layers`).
 
     `host_tier` (CUDA slot pools): mirror every streamed expert in pinned host memory, filled now, so that a miss
     is one DMA; the planner asks for it where host RAM holds them all."""
@@ -39,6 +40,9 @@ def build_runtime(
             f"the pinned prefix of {len(pinned_layers)} layers needs {format_bytes(pinned_bytes)}, more than the "
             f"memory budget {format_bytes(budget_bytes)}; lower --pinned-layers or raise --memory-budget"
         )
+    pinned_layers = resident_layers(kind.memory, store.catalogue.moe_layers, pinned_layers, num_experts * per_expert,
+                                    budget_bytes)  # fmt: skip
+    pinned_bytes = len(pinned_layers) * num_experts * per_expert
     streamed = [layer for layer in store.catalogue.moe_layers if layer not in pinned_layers]
     slots = min((budget_bytes - pinned_bytes) // per_expert, len(streamed) * num_experts)
     if kind.memory == "kernel":  # the kernel decides what stays: no slots to bound
@@ -50,7 +54,7 @@ def build_runtime(
         )
     keys = [(layer, e) for layer in pinned_layers for e in range(num_experts)]
     mirror = None
-    if host_tier and store.device.type == "cuda" and kind.memory == "device":
+    if host_tier and streamed and store.device.type == "cuda" and kind.memory == "device":
         mirror = HostMirror(store.catalogue, [(layer, e) for layer in streamed for e in range(num_experts)])
         mirror.fill()
     tier_impl = kind.build(store, max(slots, 1), pinned=len(keys), mirror=mirror)
@@ -68,6 +72,18 @@ def build_runtime(
         policy=policy,
     )
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
+
+
+def resident_layers(
+    memory: str, moe_layers: list[int], pinned_layers: list[int], layer_bytes: int, budget_bytes: int
+) -> list[int]:
+    """The MoE layers whose experts are all loaded now: the pinned prefix, or every layer where the budget holds
+    every expert in device memory (GPU slots). There a slot pool would only start cold and fill through misses,
+    each of which redoes a device token and stops tokens launching ahead; loaded up front, no token misses. The
+    engine's own pinned prefix (where compression cuts) stays what the caller chose."""
+    if memory == "device" and len(moe_layers) * layer_bytes <= budget_bytes:
+        return list(moe_layers)
+    return pinned_layers
 
 
 def attach_predictor(runtime: ExpertRuntime, predictor: Predictor | None, *, background: bool = True) -> None:

@@ -34,13 +34,18 @@ class ExpertTable:
         self.version = -1  # the pipeline residency version the device copy reflects
         self.host_addrs: torch.Tensor | None = None  # [layers, experts, 2] int64: gate_up and down, 0 = unmapped
         self.arriving: dict[tuple[int, int], object] = {}  # promoted experts -> their slot's fill event (CUDA)
+        # the last host -> device copy, which a token launched ahead may still have queued: the pinned host table is
+        # not rewritten before it has run
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def sync(self, pipeline: ExpertPipeline) -> bool:
         """Copy the pipeline's residency into the device table if it changed since the last sync; True if it did.
 
         Call between tokens on the compute thread. The caller keeps evictions away while a token may read the
         table: nothing prefetches in the background (engine.uses_device_decode), and the fetches of a redone
-        token have all landed before it returns (they were Required), so no slot changes hands after the sync.
+        token have all landed before it returns (they were Required), so no slot changes hands after the sync;
+        a promotion that evicts while a token launched ahead is in flight fills the slot only after that token
+        (ExpertPipeline.promote). The copy is queued behind the tokens in flight, which read the table as it was.
         """
         version = pipeline.residency_version
         landed = [key for key, event in self.arriving.items() if event is None or event.query()]  # type: ignore[attr-defined]
@@ -50,11 +55,15 @@ class ExpertTable:
             return False
         pipeline.drain()
         resident = {k: s for k, s in pipeline.resident_slots().items() if k not in self.arriving}
+        if self.copied is not None:
+            self.copied.synchronize()
         self.host.fill_(ABSENT)
         if resident:
             keys = torch.tensor(list(resident), dtype=torch.long)
             self.host[keys[:, 0], keys[:, 1]] = torch.tensor(list(resident.values()), dtype=torch.int32)
         self.slots.copy_(self.host, non_blocking=True)  # stream-ordered before the next token reads it
+        if self.copied is not None:
+            self.copied.record()
         self.version = version
         return True
 

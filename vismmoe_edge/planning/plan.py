@@ -278,7 +278,8 @@ def make_plan(
         l_max = n
         why.append(
             f"rule: L_semantic <= L <= L_max; every expert fits (n x S_layer = {format_bytes(n * s_layer)}), "
-            f"so L_max = n = {n}"
+            f"so L_max = n = {n}; GPU slots load them all at start (no token waits for a miss), the compressor "
+            "still cuts after the pinned prefix"
         )
     else:
         l_max = (m_e - one_layer_topk) // s_layer
