@@ -142,3 +142,24 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
     layer = SimpleNamespace(runtime=SimpleNamespace(pipeline=SimpleNamespace(tier=SimpleNamespace(pool=pool))),
                             act_fn=F.silu)  # fmt: skip
     assert torch.equal(OffloadedExperts.pool_compute(layer, x, slots, weights), out)  # type: ignore[arg-type]
+
+
+@interpreter
+@pytest.mark.parametrize(("block_n", "block_k"), [(4, 2048), (8, 2048), (4, 1024), (8, 512)])
+def test_the_few_rows_long_blocks_configs_compute_the_same(monkeypatch, block_n: int, block_k: int) -> None:  # type: ignore[no-untyped-def]
+    """The autotuner's configs with few rows and long blocks (one load a row at 30B-A3B shapes), forced in the
+    interpreter, where the CPU tests otherwise run one fixed block: blocks longer than a row (masked columns and
+    groups) included, for the int4 and the bf16 GEMVs."""
+    from vismmoe_edge.kernels import moe_int4
+
+    monkeypatch.setattr(moe_int4, "blocks", lambda kk: {"BLOCK_N": block_n, "BLOCK_K": block_k})
+    monkeypatch.setattr(md, "blocks", lambda kk: {"BLOCK_N": block_n, "BLOCK_K": block_k})
+    spec, records, dense = make_records(768, 128, 128)  # down's K (128, one group) far shorter than a block
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[2, 5, 0]]), torch.tensor([[0.5, 0.3, 0.2]])
+    want = expert_rows(x, slots, weights, dense, F.silu)
+    assert rel(md.fused_decode_records(x, slots, weights, records, form, F.silu, summed=False), want) < 2e-2
+    gate_up = torch.stack([d[0] for d in dense]).to(torch.bfloat16)  # the same experts as a bf16 pool
+    down = torch.stack([d[1] for d in dense]).to(torch.bfloat16)
+    assert rel(md.fused_decode(x, slots, weights, gate_up, down, F.silu, summed=False), want) < 2e-2

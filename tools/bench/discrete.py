@@ -601,6 +601,8 @@ def main() -> None:
             rows = [median_row(name, trials[name]) for _, name, _ in configs]
             for (engine_name, _, _), row in zip(configs, rows, strict=True):
                 row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30
+                if row.get("gb_read_per_decode_token"):  # the bus alone: the bytes a token reads at the pinned rate
+                    row["bus_bound_tokens_per_s"] = bandwidth / (row["gb_read_per_decode_token"] * 1e9)
             results += rows
             ceiling = next((r for r in rows if r["strategy"] == "all-resident"), None)
             if ceiling is not None and trials.get("popularity"):

@@ -17,6 +17,8 @@
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 #                                                 (device path, compiled), then in the same call bf16 resident and
 #                                                 transformers' static cache (no cuDNN SDPA: its faster mode here)
+#   bash tools/device/decode_checks.sh unified    unified-slots forced alone, 24 layers, the checkpoint in /dev/shm:
+#                                                 against its bus bound (the bytes a token reads / pinned rate)
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
 #                                                 equivalence checks and host syncs, the one-MoE-layer and
 #                                                 attention timings, then discrete.py resident: device path eager,
@@ -24,7 +26,7 @@
 #                                                 transformers' static cache, with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
-MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled}
+MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled|unified}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -35,6 +37,9 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 python3 setup.py -q build_ext --inplace > "$OUT/native-build.log" 2>&1 || echo "native helper not built (see native-build.log)"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
 python3 -c 'import triton; print("triton", triton.__version__)' || echo "no triton: the torch path runs"
+
+REPLAY=()  # the replayed-routing rows' trace, where carried
+[ -f .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz ] && REPLAY=(--replay-trace .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz)
 
 case "$MODE" in
 checks|suite)
@@ -96,9 +101,6 @@ baselines)
 bench|bench-int4)
     MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
     timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
-    REPLAY=()
-    [ -f .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz ] && REPLAY=(--replay-trace .carry/deepseek_v2_lite_chat_puffin_prefill_top6.npz)
-    [ ${#REPLAY[@]} -eq 0 ] && echo "no .carry trace: sampled routing only"
     if [ "$MODE" = bench ]; then
         STRATS=device-resident,all-resident,device-mapped,budget-default,device-popularity,popularity,device-unified-slots
         OUTDIR=/tmp/bench
@@ -132,7 +134,21 @@ bench|bench-int4)
             --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
     fi
     ;;
+unified)
+    # `unified-slots` forced, alone, against its bus bound: its slots are in pinned host memory, filled from the
+    # checkpoint's file with the pages dropped after (as on a Jetson), so on a lease's virtual disk the row
+    # measures the disk (run 6). Here the checkpoint lies in /dev/shm (RAM), so a fill costs a memory copy and
+    # the bus is what is left to bound it; 24 layers (30 GB) fit where 48 (61 GB) may not.
+    DIR=/dev/shm/bench-unified
+    avail=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -1)
+    [ "${avail:-0}" -ge 34000000000 ] || [ -d $DIR/qwen3vl-30b-a3b-24layer ] || DIR=/tmp/bench-unified
+    echo "== checkpoint in $DIR"
+    timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --build-only 2>&1 | tail -2
+    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --new-tokens 16 \
+        --repeats 2 --gpu-gib 10 --strategies device-unified-slots --routings sampled,trace-replay "${REPLAY[@]}" \
+        --skip-baselines --compile-device-rows --json "$OUT/discrete-unified.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
+    ;;
 *)
-    echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4 or compiled"; exit 2 ;;
+    echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4, compiled or unified"; exit 2 ;;
 esac
 echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"

@@ -274,7 +274,9 @@ def _kernels():  # type: ignore[no-untyped-def]
             return fn
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
-                                   (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (16, 1024, 8))]  # fmt: skip
+                                   (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (16, 1024, 8),
+                                   # few rows, long blocks: more programs, each with fewer dependent loads
+                                   (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
 
     # fmt: off

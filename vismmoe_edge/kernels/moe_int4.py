@@ -78,7 +78,10 @@ def _kernel():  # type: ignore[no-untyped-def]
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                    for n, k, w in ((8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 256, 4),
                                    (32, 512, 4), (32, 512, 8), (32, 1024, 8), (64, 256, 4), (64, 256, 8),
-                                   (64, 512, 8), (128, 256, 8), (32, 128, 4), (64, 128, 4), (128, 128, 8))]  # fmt: skip
+                                   (64, 512, 8), (128, 256, 8), (32, 128, 4), (64, 128, 4), (128, 128, 8),
+                                   # few rows, a whole 30B-A3B row a block: run 5 measured the kernel latency-bound
+                                   # (6.2x its byte bound), so more programs with one load each
+                                   (4, 2048, 4), (8, 2048, 4), (8, 2048, 8), (4, 1024, 2), (8, 512, 2))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
 
     # fmt: off
