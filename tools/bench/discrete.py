@@ -314,7 +314,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         # this trial's tokens launched before the one before was read, and those thrown away
         "tokens_ran_ahead": sum(d.ran_ahead - before.get(id(d), (0, 0, 0, 0))[0] for d in decoders),
         "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0, 0, 0))[1] for d in decoders),
-        # experts this trial's device tokens read in place from the host tier, per decode token, and their GB
+        # experts this trial's device tokens read in place from the host tier, per decode token
         "host_reads_per_token": sum(d.host_reads - before.get(id(d), (0, 0, 0, 0))[3] for d in decoders)
         / max(len(times) - 1, 1),
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
