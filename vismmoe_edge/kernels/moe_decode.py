@@ -122,10 +122,11 @@ def gemv_at(addrs: torch.Tensor, v: torch.Tensor, n: int, dtype: torch.dtype) ->
     import triton
 
     k, kk = v.shape
+    v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
     out = torch.empty(k, n, dtype=torch.float32, device=v.device)
     block_n, block_k = 32, 256 if kk >= 256 else triton.next_power_of_2(kk)
     grid = (k, triton.cdiv(n, block_n))
-    _kernels()[1][grid](addrs, v.contiguous(), out, n, kk, IS_BF16=dtype == torch.bfloat16, BLOCK_N=block_n,
+    _kernels()[1][grid](addrs, v, out, n, kk, v.stride(0), IS_BF16=dtype == torch.bfloat16, BLOCK_N=block_n,
                         BLOCK_K=block_k)  # fmt: skip
     return out
 
@@ -249,9 +250,10 @@ def gemv(
     if w.group:
         return gemv_int4(w, slot_ids, v, mix, silu_of=silu_of)
     k = slot_ids.shape[0]
+    v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
     _kernels()[0][grid(k, w.n)](
-        w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.stride_row, w.q_off, w.s_off,
+        w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.stride_row, w.q_off, w.s_off,
         SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), INT8=w.int8, **blocks(w.k),
     )  # fmt: skip
     return out
@@ -282,8 +284,9 @@ def _kernels():  # type: ignore[no-untyped-def]
     # fmt: off
     @tuned
     @triton.jit
-    def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, stride_row, q_off, s_off, SILU: tl.constexpr,
-                     ROUND: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, stride_row, q_off, s_off,
+                     SILU: tl.constexpr, ROUND: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         # fmt: on
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,15 +300,15 @@ def _kernels():  # type: ignore[no-untyped-def]
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate = tl.load(v + e * 2 * K + cols, mask=cols < K, other=0.0)
-                up = tl.load(v + e * 2 * K + K + cols, mask=cols < K, other=0.0)
+                gate = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0)
+                up = tl.load(v + e * stride_v + K + cols, mask=cols < K, other=0.0)
                 a = gate * tl.sigmoid(gate) * up
                 if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
                     a = a.to(tl.bfloat16).to(tl.float32)
                 elif ROUND == 2:  # (float32 compute keeps it)
                     a = a.to(tl.float16).to(tl.float32)
-            else:
-                a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            else:  # (stride_v 0: one input for every expert)
+                a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
@@ -317,7 +320,8 @@ def _kernels():  # type: ignore[no-untyped-def]
         tl.store(out + e * N + rows, acc, mask=rows < N)
 
     @triton.jit
-    def _gemv_at_kernel(addrs, v, out, N, K, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_at_kernel(addrs, v, out, N, K, stride_v, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         address = tl.load(addrs + e)
@@ -328,7 +332,7 @@ def _kernels():  # type: ignore[no-untyped-def]
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            a = tl.load(v + e * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * K + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)

@@ -36,9 +36,10 @@ def gemv_int4(
     out[e] = W[slot_ids[e]] @ v[e]; `silu_of` as moe_decode.gemv (v [k, 2K] gate | up in float32, the input
     silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
     k = slot_ids.shape[0]
+    v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
     out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
     _kernel()[grid(k, w.n)](
-        w.base, slot_ids, v.contiguous(), mix, out, w.n, w.k, w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
+        w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
         SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), **blocks(w.k),
     )  # fmt: skip
     return out
@@ -87,7 +88,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     # fmt: off
     @tuned
     @triton.jit
-    def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_slot, q_off, s_off, GROUP: tl.constexpr,
+    def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
                           SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
         # fmt: on
@@ -107,10 +108,10 @@ def _kernel():  # type: ignore[no-untyped-def]
             ok = jb < kb
             even = 2 * jb  # the input the byte's low nibble meets; the high nibble meets even + 1
             if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate0 = tl.load(v + e * 2 * K + even, mask=ok, other=0.0)
-                gate1 = tl.load(v + e * 2 * K + even + 1, mask=ok, other=0.0)
-                up0 = tl.load(v + e * 2 * K + K + even, mask=ok, other=0.0)
-                up1 = tl.load(v + e * 2 * K + K + even + 1, mask=ok, other=0.0)
+                gate0 = tl.load(v + e * stride_v + even, mask=ok, other=0.0)
+                gate1 = tl.load(v + e * stride_v + even + 1, mask=ok, other=0.0)
+                up0 = tl.load(v + e * stride_v + K + even, mask=ok, other=0.0)
+                up1 = tl.load(v + e * stride_v + K + even + 1, mask=ok, other=0.0)
                 a0 = gate0 * tl.sigmoid(gate0) * up0
                 a1 = gate1 * tl.sigmoid(gate1) * up1
                 if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
@@ -119,9 +120,9 @@ def _kernel():  # type: ignore[no-untyped-def]
                 elif ROUND == 2:
                     a0 = a0.to(tl.float16).to(tl.float32)
                     a1 = a1.to(tl.float16).to(tl.float32)
-            else:
-                a0 = tl.load(v + e * K + even, mask=ok, other=0.0).to(tl.float32)
-                a1 = tl.load(v + e * K + even + 1, mask=ok, other=0.0).to(tl.float32)
+            else:  # (stride_v 0: one input for every expert)
+                a0 = tl.load(v + e * stride_v + even, mask=ok, other=0.0).to(tl.float32)
+                a1 = tl.load(v + e * stride_v + even + 1, mask=ok, other=0.0).to(tl.float32)
             ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
             byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
             lo = (byte & 15).to(tl.float32) - 8.0
