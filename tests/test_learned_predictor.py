@@ -52,6 +52,16 @@ def test_run_finds_and_uses_the_predictor(model_with_predictor: Path, images: li
     assert b.experts["speculative_bytes"] > 0 and a.experts["speculative_bytes"] == 0
 
 
+def test_auto_attaches_no_predictor_where_every_expert_is_resident(model_with_predictor: Path) -> None:
+    """Nothing streams, so nothing is to be prefetched (and on CUDA a predictor would turn the device decode
+    path off): "auto" attaches none; a predictor asked for by name still is."""
+    layers = len(vismmoe_edge.load(model_with_predictor, predictor="none", device="cpu").catalogue.moe_layers)
+    resident = vismmoe_edge.load(model_with_predictor, pinned_layers=layers, predictor="auto", device="cpu")
+    assert resident.experts.predictor is None and resident.experts.predictor_worker is None
+    named = vismmoe_edge.load(model_with_predictor, pinned_layers=layers, predictor="learned", device="cpu")
+    assert isinstance(named.experts.predictor, LearnedPredictor)
+
+
 def test_predictor_for_another_model_is_refused(model_with_predictor: Path, checkpoints, tmp_path: Path) -> None:
     other = shutil.copytree(checkpoints["v5"], tmp_path / "other")
     # same architecture but pretend the file came from a 7-layer model: rewrite the metadata

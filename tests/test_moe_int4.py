@@ -145,15 +145,21 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
 
 
 @interpreter
-@pytest.mark.parametrize(("block_n", "block_k"), [(4, 2048), (8, 2048), (4, 1024), (8, 512)])
-def test_the_few_rows_long_blocks_configs_compute_the_same(monkeypatch, block_n: int, block_k: int) -> None:  # type: ignore[no-untyped-def]
-    """The autotuner's configs with few rows and long blocks (one load a row at 30B-A3B shapes), forced in the
-    interpreter, where the CPU tests otherwise run one fixed block: blocks longer than a row (masked columns and
-    groups) included, for the int4 and the bf16 GEMVs."""
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "acc2d"),
+    [(4, 2048, False), (8, 2048, False), (4, 1024, False), (8, 512, False), (32, 128, True), (16, 128, True),
+     (8, 256, True)],
+)  # fmt: skip
+def test_the_added_autotune_configs_compute_the_same(monkeypatch, block_n: int, block_k: int, acc2d: bool) -> None:  # type: ignore[no-untyped-def]
+    """The autotuner's added configs, forced in the interpreter, where the CPU tests otherwise run one fixed block:
+    few rows with long blocks (one load a row at 30B-A3B shapes; blocks longer than a row, so masked columns and
+    groups), and ACC2D (products kept per column, one reduction after the loop; int4: blocks of one group, and of
+    two, where it falls back to the per-block reduction), for the int4 and the bf16 GEMVs."""
     from vismmoe_edge.kernels import moe_int4
 
-    monkeypatch.setattr(moe_int4, "blocks", lambda kk: {"BLOCK_N": block_n, "BLOCK_K": block_k})
-    monkeypatch.setattr(md, "blocks", lambda kk: {"BLOCK_N": block_n, "BLOCK_K": block_k})
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ACC2D": acc2d}
+    monkeypatch.setattr(moe_int4, "blocks", lambda kk: config)
+    monkeypatch.setattr(md, "blocks", lambda kk: config)
     spec, records, dense = make_records(768, 128, 128)  # down's K (128, one group) far shorter than a block
     form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
     x = torch.randn(1, 768, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

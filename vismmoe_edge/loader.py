@@ -101,6 +101,10 @@ def load(
     model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
     runtime.pipeline.tier.after_load(files, table, catalogue, set(moe_layers[:pinned_layers]))
     on_gpu = torch_device.type == "cuda"
+    # Every expert resident (a pinned prefix of every layer, or GPU slots that hold them all): nothing to prefetch,
+    # and a predictor would keep the device decode path off, so "auto" attaches none; a named one is still honoured.
+    if predictor == "auto" and len(runtime.pipeline.pinned) == len(catalogue.experts):
+        predictor = "none"
     attach_predictor(runtime, make_predictor(predictor, model_dir, context, model, on_gpu=on_gpu))
     return Engine(
         model,

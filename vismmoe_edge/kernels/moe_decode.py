@@ -274,11 +274,17 @@ def _kernels():  # type: ignore[no-untyped-def]
         """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture."""
         if INTERPRET:
             return fn
-        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-                   for n, k, w in ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
-                                   (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (16, 1024, 8),
-                                   # few rows, long blocks: more programs, each with fewer dependent loads
-                                   (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8))]  # fmt: skip
+        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ACC2D": acc2d}, num_warps=w)
+                   for n, k, w, acc2d in ((8, 256, 4, False), (8, 512, 4, False), (16, 256, 4, False),
+                                          (16, 512, 8, False), (32, 128, 4, False), (32, 256, 4, False),
+                                          (32, 256, 8, False), (64, 128, 4, False), (64, 128, 8, False),
+                                          (16, 1024, 8, False),
+                                          # few rows, long blocks: more programs, each with fewer dependent loads
+                                          (4, 1024, 4, False), (4, 2048, 4, False), (8, 1024, 4, False),
+                                          (8, 2048, 8, False),
+                                          # products kept per column, reduced across the row once at the end
+                                          (8, 256, 4, True), (16, 256, 4, True), (32, 128, 4, True),
+                                          (8, 512, 8, True))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
 
     # fmt: off
@@ -286,8 +292,10 @@ def _kernels():  # type: ignore[no-untyped-def]
     @triton.jit
     def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, stride_row, q_off, s_off,
                      SILU: tl.constexpr, ROUND: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False):
         # fmt: on
+        # ACC2D: each column's products summed over the blocks, the row's reduction (a shuffle across threads)
+        # made once after the loop instead of once per block; which is faster is the autotuner's call
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_ids + e).to(tl.int64)
@@ -297,6 +305,7 @@ def _kernels():  # type: ignore[no-untyped-def]
         else:
             base = w + slot * stride_slot
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             if SILU:  # v holds [gate (K) | up (K)] per expert, float32
@@ -311,7 +320,12 @@ def _kernels():  # type: ignore[no-untyped-def]
                 a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(b * a[None, :], axis=1)
+            if ACC2D:
+                acc2 += b * a[None, :]
+            else:
+                acc += tl.sum(b * a[None, :], axis=1)
+        if ACC2D:
+            acc = tl.sum(acc2, axis=1)
         if INT8:
             scales = (record + s_off).to(tl.pointer_type(tl.bfloat16))
             acc = acc * tl.load(scales + rows, mask=rows < N, other=0.0).to(tl.float32)

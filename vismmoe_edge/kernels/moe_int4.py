@@ -83,6 +83,9 @@ def _kernel():  # type: ignore[no-untyped-def]
                                    # few rows, a whole 30B-A3B row a block: run 5 measured the kernel latency-bound
                                    # (6.2x its byte bound), so more programs with one load each
                                    (4, 2048, 4), (8, 2048, 4), (8, 2048, 8), (4, 1024, 2), (8, 512, 2))]  # fmt: skip
+        # one group a block (g128), its products kept per column and reduced once at the end (ACC2D)
+        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ACC2D": True}, num_warps=w)
+                    for n, k, w in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
 
     # fmt: off
@@ -90,7 +93,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     @triton.jit
     def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
                           SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False):
         # fmt: on
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
@@ -103,6 +106,7 @@ def _kernel():  # type: ignore[no-untyped-def]
         sz = (record + s_off).to(tl.pointer_type(tl.bfloat16))  # [K/GROUP, N, 2]: (scale, zero)
         kb = K // 2
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)  # ACC2D: per column, reduced once after the loop
         for start in range(0, kb, HALF):
             jb = start + tl.arange(0, HALF)
             ok = jb < kb
@@ -133,7 +137,10 @@ def _kernel():  # type: ignore[no-untyped-def]
                 at = (start // GB * N + rows) * 2
                 scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
                 zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
-                acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
+                if ACC2D:  # no reduction across threads inside the loop
+                    acc2 += part * scale[:, None] + zero[:, None] * a[None, :]
+                else:
+                    acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
             else:  # HALF // GB whole groups: sum each, then scale it
                 NG: tl.constexpr = HALF // GB
                 groups = start // GB + tl.arange(0, NG)
@@ -144,6 +151,8 @@ def _kernel():  # type: ignore[no-untyped-def]
                 scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
                 zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
                 acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
+        if ACC2D:  # (zero where the blocks span several groups, which reduce per block)
+            acc += tl.sum(acc2, axis=1)
         if SILU:
             acc = acc * tl.load(mix + e)
         tl.store(out + e * N + rows, acc, mask=row_ok)
