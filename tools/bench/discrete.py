@@ -265,8 +265,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     sync()
     start = time.perf_counter()
     sampling = SamplingConfig(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, temperature=1.0, seed=seed)
-    before = {id(d): (d.ran_ahead, d.discarded, d.redone, d.host_reads) for d in engine._decoders.values()
-              if getattr(d, "on_device", False)}  # fmt: skip
+    before = {id(d): decoder_counts(d) for d in engine._decoders.values() if getattr(d, "on_device", False)}
     # no sync per token: a token reaches the host only once read back from the GPU anyway, and a sync here would
     # also wait for the token launched ahead of it (StaticDecoder.token_step), hiding what launching ahead saves
     allocator = allocator_counts()
@@ -279,6 +278,10 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     if device_decode == "off":
         engine.experts.route_hooks.remove(record)
     decoders = [d for d in engine._decoders.values() if getattr(d, "on_device", False)]
+
+    def this_trial(name: str) -> int:  # a device-decoder counter's growth in this trial (new decoders from 0)
+        return sum(decoder_counts(d)[name] - before.get(id(d), {}).get(name, 0) for d in decoders)
+
     steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # the first decode step captures graphs
     s = pipeline.stats.as_dict()
     log = pipeline.layer_log
@@ -310,17 +313,21 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "expert_bytes": engine.catalogue.expert_bytes,
         "device_decode": bool(decoders),
         # this trial's device tokens that missed and ran again per layer
-        "tokens_redone": sum(d.redone - before.get(id(d), (0, 0, 0, 0))[2] for d in decoders),
+        "tokens_redone": this_trial("redone"),
         # this trial's tokens launched before the one before was read, and those thrown away
-        "tokens_ran_ahead": sum(d.ran_ahead - before.get(id(d), (0, 0, 0, 0))[0] for d in decoders),
-        "tokens_discarded": sum(d.discarded - before.get(id(d), (0, 0, 0, 0))[1] for d in decoders),
+        "tokens_ran_ahead": this_trial("ran_ahead"),
+        "tokens_discarded": this_trial("discarded"),
         # experts this trial's device tokens read in place from the host tier, per decode token
-        "host_reads_per_token": sum(d.host_reads - before.get(id(d), (0, 0, 0, 0))[3] for d in decoders)
-        / max(len(times) - 1, 1),
+        "host_reads_per_token": this_trial("host_reads") / max(len(times) - 1, 1),
         "mapped_experts": max((d.mapped_experts for d in decoders), default=0),  # readable in place from the host
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
         "prefill_allocator": allocator,
     }
+
+
+def decoder_counts(decoder) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """A device decoder's running counters, which the trial reports as growth."""
+    return {name: getattr(decoder, name) for name in ("ran_ahead", "discarded", "redone", "host_reads")}
 
 
 def allocator_counts() -> dict[str, int]:

@@ -73,9 +73,16 @@ def prefill_experts(
         w_gate_up, w_down = gate_up[first : last + 1], down[first : last + 1]  # (a copy moves ~2.4 GB a layer at 30B)
     else:
         w_gate_up, w_down = gate_up.index_select(0, used), down.index_select(0, used)
-    gate, up = torch._grouped_mm(xs, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(act(gate) * up, w_down.transpose(-2, -1), offs=offs)
-    return combine_pairs(x, y, weights, order, token_of)
+    return combine_pairs(x, grouped_mlp(xs, w_gate_up, w_down, offs, act), weights, order, token_of)
+
+
+def grouped_mlp(
+    xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, act: Act
+) -> torch.Tensor:
+    """Rows xs [P, H] grouped by expert (group g ends at offs[g], int32) through experts gate_up [G, 2I, H] and
+    down [G, H, I]: two grouped GEMMs -> [P, H]."""
+    gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
 
 
 def per_slot_experts(

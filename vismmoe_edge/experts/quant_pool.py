@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import (
     combine_pairs,
+    expert_mlp,
     gathered_experts,
+    grouped_mlp,
     grouped_mm_works,
     per_slot_experts,
     sort_by_slot,
@@ -114,16 +115,13 @@ def prefill_rowmajor_int4(
         chosen = records.index_select(0, used[c0:c1])  # [c, nbytes]
         gate_up = dequantize_rowmajor(form, chosen, "gate_up_proj", x.dtype)  # [c, 2I, H]
         down = dequantize_rowmajor(form, chosen, "down_proj", x.dtype)  # [c, H, I]
-        rows = slice(bounds[c0], bounds[c1])
         if grouped:
             offs = (ends[c0:c1] - bounds[c0]).to(torch.int32)
-            gate, up = torch._grouped_mm(xs[rows], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            y[rows] = torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+            y[bounds[c0] : bounds[c1]] = grouped_mlp(xs[bounds[c0] : bounds[c1]], gate_up, down, offs, act)
             continue
         for i in range(c1 - c0):
             part = slice(bounds[c0 + i], bounds[c0 + i + 1])
-            gate, up = F.linear(xs[part], gate_up[i]).chunk(2, dim=-1)
-            y[part] = F.linear(act(gate) * up, down[i])
+            y[part] = expert_mlp(xs[part], gate_up[i], down[i], act)
     return combine_pairs(x, y, weights, order, token_of)
 
 
