@@ -373,6 +373,7 @@ def test_promotion_fills_free_slots_then_evicts_the_oldest_and_the_table_follows
         table.sync(pipeline)
         routing = torch.tensor([[3, 5, 6]])  # expert 3 read from its slot; 5 and 6 from the host tier
         assert count_host_reads(table, [1], routing) == 2
+        assert promote_host_reads(pipeline, table, [1], routing, limit=0) == 0  # promotion off
         assert promote_host_reads(pipeline, table, [1], routing, limit=1) == 1  # the cap holds
         assert set(table.arriving) == {(1, 5)}
         table.sync(pipeline)  # on the CPU a fill has landed when the fetch returns: the table takes it at once
@@ -423,6 +424,13 @@ def test_decode_switches_refuse_unknown_values(checkpoints, monkeypatch: pytest.
     store = SimpleNamespace(device=torch.device("cuda"), catalogue=SimpleNamespace(quant=int4, experts=[]))
     with pytest.raises(VismmoeError, match="VISMMOE_INT4_SLOTS='fast': use auto, triton or tinygemm"):
         triton_int4_slots(store, 1)  # type: ignore[arg-type]
+    from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN, promotions_per_token
+
+    assert promotions_per_token(None) == PROMOTIONS_PER_TOKEN and promotions_per_token("0") == 0
+    with pytest.raises(VismmoeError, match="VISMMOE_PROMOTIONS_PER_TOKEN='-1': use a whole number >= 0"):
+        promotions_per_token("-1")
+    monkeypatch.setenv("VISMMOE_PROMOTIONS_PER_TOKEN", "0")
+    assert vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu").promotions_per_token == 0
 
 
 def test_tokens_run_ahead_where_no_token_can_miss() -> None:

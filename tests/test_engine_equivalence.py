@@ -41,6 +41,32 @@ def test_engine_matches_transformers(checkpoints, references, layout: str, budge
             assert result.experts["misses"] > 0 and result.experts["evictions"] > 0, name
 
 
+def test_pinned_layers_prefill_without_host_work(checkpoints, references, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MoE layer pinned (as where GPU slots hold every expert): a prefill takes each layer's slots from the
+    routing on the device (OffloadedExperts.pinned_forward) and never enters the pipeline's per-expert path, whose
+    first step reads the routing back to the host. Tokens and logits stay transformers'; the hits, counted on the
+    device, equal the per-expert path's."""
+    from vismmoe_edge.experts.compute import OffloadedExperts
+    from vismmoe_edge.experts.pipeline import ExpertPipeline
+
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    moe = [m for m in engine.model.modules() if isinstance(m, OffloadedExperts)]
+    assert len(moe) == 10 and all(m.pinned_run() is not None for m in moe)
+    ref = references["one_image"]
+    hits = []
+    for fast in (False, True):
+        with monkeypatch.context() as m:
+            if fast:  # one new token: the prefill alone
+                m.setattr(ExpertPipeline, "begin_layer", lambda *a, **kw: pytest.fail("per-expert path in a prefill"))
+            else:
+                m.setattr(OffloadedExperts, "pinned_run", lambda self: None)
+            result = engine.generate_from_inputs(ref.inputs, SamplingConfig(max_new_tokens=1, min_new_tokens=1))
+        assert result.token_ids == ref.tokens[:1]
+        hits.append(result.experts["hits"])
+    assert hits[0] == hits[1] > 0
+    assert_matches(engine, references, atol=1e-5)
+
+
 @pytest.mark.parametrize("predictor", ["next-layer-gate", "previous-token"])
 @pytest.mark.parametrize("tier", ["host", "unified", "mmap", "unified-slots"])
 def test_every_tier_and_predictor_matches_transformers(checkpoints, references, tier: str, predictor: str) -> None:

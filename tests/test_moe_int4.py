@@ -169,3 +169,23 @@ def test_the_added_autotune_configs_compute_the_same(monkeypatch, block_n: int, 
     gate_up = torch.stack([d[0] for d in dense]).to(torch.bfloat16)  # the same experts as a bf16 pool
     down = torch.stack([d[1] for d in dense]).to(torch.bfloat16)
     assert rel(md.fused_decode(x, slots, weights, gate_up, down, F.silu, summed=False), want) < 2e-2
+
+
+@interpreter
+@pytest.mark.parametrize(("hidden", "inter", "group"), [(64, 32, 16), (80, 48, 16), (256, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dequantize_kernel_is_dequantize_rowmajor_exactly(hidden: int, inter: int, group: int,
+                                                             dtype: torch.dtype) -> None:  # fmt: skip
+    """kernels/dequant_int4.py reads the chosen slots' nibbles and (scale, zero) in place and gives each weight
+    the value of quant_pool.dequantize_rowmajor (the int4 prefill's torch path), bit for bit; rows and bytes that
+    do not fill a block (80 rows, 48 codes) are masked."""
+    from vismmoe_edge.experts.quant_pool import dequantize_rowmajor, dequantize_slots
+    from vismmoe_edge.kernels.dequant_int4 import dequantizes
+
+    spec, records, _ = make_records(hidden, inter, group, seed=3)
+    form = SlotForm.for_device(spec, CUDA, triton=True)
+    assert dequantizes(records, form)
+    chosen = torch.tensor([2, 0, SLOTS - 1])
+    for name in MATRICES:
+        got = dequantize_slots(records, form, chosen, name, dtype)
+        assert torch.equal(got, dequantize_rowmajor(form, records.index_select(0, chosen), name, dtype)), name

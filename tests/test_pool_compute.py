@@ -40,3 +40,21 @@ def test_grouped_prefill_reads_a_run_of_slots_in_place_with_the_copys_result(mon
         loop = prefill_experts(x, slots, weights, pool_gate_up, pool_down, F.silu, grouped=False)
         torch.testing.assert_close(outputs[-1], loop, rtol=1e-5, atol=1e-5)
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.skipif(not grouped_mm_works(torch.float32, torch.device("cpu")), reason="no torch._grouped_mm here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pinned_layers_prefill_groups_every_expert_with_the_same_result(dtype: torch.dtype) -> None:
+    """`run`: one group per expert of a pinned layer, those no token routed to empty, offsets found on the device
+    (no host sync): bit-identical to grouping the slots in use."""
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, inter, tokens, k, first = 8, 16, 8, 5, 2, 3
+    pool_gate_up = torch.randn(16, 2 * inter, hidden, generator=g).to(dtype)
+    pool_down = torch.randn(16, hidden, inter, generator=g).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    routed = torch.tensor([[0, 6], [6, 2], [2, 0], [7, 6], [0, 7]])  # experts 1, 3, 4 and 5 unrouted
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    slots = routed + first
+    used = prefill_experts(x, slots, weights, pool_gate_up, pool_down, F.silu, grouped=True)
+    every = prefill_experts(x, slots, weights, pool_gate_up, pool_down, F.silu, grouped=True, run=(first, experts))
+    assert torch.equal(used, every)

@@ -98,7 +98,8 @@ def test_prefill_matches_the_dequantized_weights(bits: int) -> None:
 def test_int4_prefill_of_triton_form_slots_is_the_per_slot_dequantize_path(dtype: torch.dtype) -> None:
     """Slots in row-major nibbles (the Triton decode form) prefill by dequantizing a chunk of slots at once: the
     same weights as dequantize_matrix, so slot by slot (no grouped GEMM) the output equals the per-slot
-    dequantize + F.linear path (CUDA's) exactly, chunk boundaries included; grouped, within float rounding."""
+    dequantize + F.linear path (CUDA's) exactly, chunk boundaries included; grouped, within float rounding. Under
+    TRITON_INTERPRET=1 the slots are dequantized by kernels/dequant_int4.py, to the same results."""
     spec, records, dense = make_pool(4, ROWMAJOR, seed=4)
     form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
     assert form.triton_int4 and not form.rebuilds
@@ -116,11 +117,17 @@ def test_int4_prefill_of_triton_form_slots_is_the_per_slot_dequantize_path(dtype
     for chunk in (1, 4, SLOTS):
         got = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=False, chunk=chunk)
         assert torch.equal(got, expected), chunk
+        # a pinned layer's slots (run): every slot a group, found on the device, the unrouted ones empty
+        run = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=False, chunk=chunk,
+                                    run=(0, SLOTS))  # fmt: skip
+        assert torch.equal(run, expected), chunk
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel(got, reference(x, slots, weights, dense)) < tol
     if grouped_mm_works(dtype, torch.device("cpu")):
         grouped = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, chunk=4)
         assert rel(grouped, reference(x, slots, weights, dense)) < tol
+        run = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, chunk=4, run=(0, SLOTS))
+        assert torch.equal(run, grouped)
 
 
 def test_a_slot_rebuilt_from_another_layout_computes_the_same() -> None:

@@ -27,6 +27,7 @@ from vismmoe_edge.compress.prune import CompressionConfig, CompressionReport
 from vismmoe_edge.detokenize import TextStream
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime
+from vismmoe_edge.experts.promotion import promotions_per_token
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
@@ -107,6 +108,8 @@ class Engine:
         # ... launching each token before the host reads the one before it: "auto" (the pool holds every expert),
         # "on" (also where tokens may miss: the CPU tests of the discard path), "off"
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
+        # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
+        self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -327,6 +330,7 @@ class Engine:
             if route_hook is not None:
                 self.experts.route_hooks.remove(route_hook)
         logits = self.model.lm_head(lm.norm(hidden[:, -1:]))[0, -1]
+        self.experts.pipeline.count_pinned_hits()  # pinned layers count theirs on the device (pinned_forward)
         if content is not None and bool(torch.isfinite(logits).all()):  # for later requests that start the same way
             self.prefix_cache.store(  # type: ignore[union-attr]
                 content, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
@@ -449,17 +453,11 @@ class Engine:
     def write_trace(self, path: str | Path) -> TraceWriter:
         """Record every step's routed experts and pipeline counters to a JSONL file (close it when done)."""
         writer = TraceWriter(path)
-        first = self.catalogue.moe_layers[0]
-        self.observers.append(
-            TraceRecorder(
-                self.experts,
-                writer,
-                model=str(self.model_dir),
-                num_experts=self.catalogue.num_experts,
-                moe_layers=self.catalogue.moe_layers,
-                top_k=self.language_model.layers[first].mlp.gate.top_k,
-            )
-        )
+        catalogue = self.catalogue
+        top_k = self.language_model.layers[catalogue.moe_layers[0]].mlp.gate.top_k
+        recorder = TraceRecorder(self.experts, writer, model=str(self.model_dir), num_experts=catalogue.num_experts,
+                                 moe_layers=catalogue.moe_layers, top_k=top_k)  # fmt: skip
+        self.observers.append(recorder)
         return writer
 
     def replay_routing(self, path: str | Path, *, start_token: int = 0) -> TraceReplay:

@@ -456,7 +456,8 @@ class StaticDecoder:
             pipeline.touch(layer, out.routing[m].tolist())
         if self.mapped_experts:  # experts read over the bus move into slots for later tokens
             self.host_reads += count_host_reads(self.table, self.moe_layers, out.routing)
-            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, out.routing)
+            limit = self.engine.promotions_per_token
+            self.promoted += promote_host_reads(pipeline, self.table, self.moe_layers, out.routing, limit=limit)
         chosen = int(out.token)
         if following is not None:
             following.token = chosen

@@ -40,6 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
+
 IMAGE_SIDE = int(os.environ.get("BENCH_IMAGE_SIDE", 1056))  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a smoke run of the harness on a tiny checkpoint
 
@@ -233,8 +235,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
-              graphs: bool = True, device_decode: str = "off", mapped: bool | str = False,
-              compiled: bool | str = False, ahead: str = "auto") -> dict:  # fmt: skip
+              graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
+              ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -246,6 +248,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.device_decode_mapped = mapped  # ... reading experts not in a slot from the pinned host tier in place
     engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
     engine.decode_ahead = ahead  # ... each token launched before the host reads the one before it
+    engine.promotions_per_token = promotions  # ... and up to this many experts it read in place moved into slots
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -323,6 +326,13 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "compiled": any(d.fused is not None and d.fused.compiled for d in decoders),
         "prefill_allocator": allocator,
     }
+
+
+def bus_gb_per_token(row: dict) -> float:
+    """GB a decode token moves over the host bus: what misses and promotions copied into the cache, plus the experts
+    read in place from the host tier (which no copy counts)."""
+    in_place = row.get("host_reads_per_token", 0.0) * row.get("expert_bytes", 0) / 1e9
+    return row.get("gb_read_per_decode_token", 0.0) + in_place
 
 
 def decoder_counts(decoder) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -476,7 +486,8 @@ def hbm_bound(info: dict) -> dict:
 def median_row(strategy: str, trials: list[dict]) -> dict:
     out = {k: v for k, v in trials[0].items() if k != "routes"}
     out["strategy"] = strategy
-    for key in ("prefill_s", "decode_s_per_token", "hit_rate", "gb_copied_per_decode_token", "stall_s",
+    for key in ("prefill_s", "decode_s_per_token", "hit_rate", "gb_read_per_decode_token", "gb_copied_per_decode_token",
+                "host_reads_per_token", "stall_s",
                 "wasted_speculative_gb", "predictor_critical_ms_per_token", "predictor_worker_ms_per_token"):
         out[key] = statistics.median(t[key] for t in trials)  # fmt: skip
     out["decode_tokens_per_s"] = 1 / out["decode_s_per_token"]
@@ -515,6 +526,7 @@ def main() -> None:
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
                     "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
+                    "device-mapped-no-promotion, "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, "
                     "unified-registered, "
@@ -562,7 +574,7 @@ def main() -> None:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
-                       "budget-default"}  # fmt: skip
+                       "device-mapped-no-promotion", "budget-default"}  # fmt: skip
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
@@ -587,6 +599,8 @@ def main() -> None:
                  {"device_decode": "auto", "compiled": True, "ahead": "off"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
+                # the same with no expert promoted into a slot: do promotions pay for their bus bytes?
+                ("budget", "device-mapped-no-promotion", {"device_decode": "on", "mapped": True, "promotions": 0}),
                 # the engine's own choices at this budget (device path, in-place reads, compiled layers: "auto")
                 ("budget", "budget-default", {"device_decode": "auto", "mapped": "auto", "compiled": "auto"}),
             ]
@@ -608,8 +622,10 @@ def main() -> None:
             rows = [median_row(name, trials[name]) for _, name, _ in configs]
             for (engine_name, _, _), row in zip(configs, rows, strict=True):
                 row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30
-                if row.get("gb_read_per_decode_token"):  # the bus alone: the bytes a token reads at the pinned rate
-                    row["bus_bound_tokens_per_s"] = bandwidth / (row["gb_read_per_decode_token"] * 1e9)
+                bus_gb = bus_gb_per_token(row)
+                if bus_gb:  # the bus alone: the bytes a token moves over it at the pinned rate
+                    row["bus_gb_per_token"] = bus_gb
+                    row["bus_bound_tokens_per_s"] = bandwidth / (bus_gb * 1e9)
             results += rows
             ceiling = next((r for r in rows if r["strategy"] == "all-resident"), None)
             if ceiling is not None and trials.get("popularity"):

@@ -7,7 +7,8 @@
 - host syncs: CUDA runtime synchronisations per resident device token (torch.profiler), bound <= 2;
 - one MoE layer at 30B-A3B shapes (H 2048, I 768, k 8, bf16) in a graph: the fused Triton GEMV and the torch
   path, against the byte bound at the HBM bandwidth a large copy reaches; the same from int8 and int4 g128
-  records (Triton GEMVs reading them in place; int4 also through tinygemm, the torch path), reported only;
+  records (Triton GEMVs reading them in place; int4 also through tinygemm, the torch path), and the int4
+  prefill's dequantize kernel against the torch ops it replaced (bit-equal, both timed), reported only;
 - one layer's attention at 30B-A3B shapes (32/4 heads, d 128, bf16, capacities 1536 and 4096) in a graph: the
   split-KV Triton kernel (kernels/decode_attention.py) against the compiled SDPA path it replaced.
     python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
@@ -283,6 +284,25 @@ def int8_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type:
             "int8_dequantize_path_us": dequant_us, "int8_relative_error": err}  # fmt: skip
 
 
+def int4_dequantize(records, form, timed) -> dict:  # type: ignore[no-untyped-def]
+    """The int4 prefill's dequantize of every slot (kernels/dequant_int4.py, reading the records in place) against
+    the torch ops it replaced (gathered records, float32 intermediates): equal bit for bit, and both timed."""
+    from vismmoe_edge.experts.quant_pool import dequantize_rowmajor, dequantize_slots
+
+    slots = torch.arange(records.shape[0], device=records.device)
+    out: dict = {}
+    for name in ("gate_up_proj", "down_proj"):
+        kernel = dequantize_slots(records, form, slots, name, torch.bfloat16)
+        ops = dequantize_rowmajor(form, records.index_select(0, slots), name, torch.bfloat16)
+        out[f"int4_dequantize_{name}_equal"] = bool(torch.equal(kernel, ops))
+    out["int4_dequantize_slots"] = int(slots.shape[0])
+    out["int4_dequantize_kernel_us"] = timed(lambda: dequantize_slots(records, form, slots, "gate_up_proj",
+                                                                      torch.bfloat16), 20)  # fmt: skip
+    out["int4_dequantize_torch_us"] = timed(lambda: dequantize_rowmajor(
+        form, records.index_select(0, slots), "gate_up_proj", torch.bfloat16), 20)  # fmt: skip
+    return out
+
+
 def int4_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type: ignore[no-untyped-def]
     """The same layer from int4 g128 records: row-major nibbles read in place by the Triton GEMV (the slot form
     of the device decode path, kernels/moe_int4.py), against the int4 byte bound, and the same records in
@@ -317,6 +337,7 @@ def int4_layer(x, sel, w, gate_up, down, hbm, timed, in_graph) -> dict:  # type:
         out["int4_relative_error"] = float((fused().float().cpu() - ref).abs().max() / ref.abs().max())
         out["int4_us"] = timed(in_graph(fused))
         out["int4_over_bound"] = out["int4_us"] / bound_us
+        out.update(int4_dequantize(records, form, timed))
     tiles = SlotForm.for_device(spec, records.device)  # the per-layer path's form: tinygemm's tiles
     tiled = records.clone()
     if tiles.rebuilds:

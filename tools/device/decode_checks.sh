@@ -10,9 +10,9 @@
 #   bash tools/device/decode_checks.sh racecheck  racecheck alone on that case, the whole call, with cuDNN's SDPA
 #                                                 off (its flash kernel reports shared-memory hazards of its own)
 #   bash tools/device/decode_checks.sh bench      discrete.py at 30B-A3B geometry (48 layers), bf16: every expert
-#                                                 resident and 20 GiB with popularity, host path and device path
-#                                                 (slots only, and reading in place from the host tier), and
-#                                                 unified-slots forced on the device path (device rows with compiled layers); profiles
+#                                                 resident and 20 GiB: the engine's choices, reading in place with
+#                                                 and without promotion, the per-layer host path (device rows
+#                                                 compiled), transformers' static cache in the same call; profiles
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 #                                                 (device path, compiled), then in the same call bf16 resident and
@@ -102,7 +102,8 @@ bench|bench-int4)
     MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
     timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     if [ "$MODE" = bench ]; then
-        STRATS=device-resident,all-resident,device-mapped,budget-default,device-popularity,popularity,device-unified-slots
+        # (unified-slots has a call of its own, `unified`: here it measured the lease's disk, run 6)
+        STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-no-promotion,budget-default,popularity,hf-static-no-cudnn}
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"

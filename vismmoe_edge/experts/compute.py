@@ -52,12 +52,16 @@ class OffloadedExperts(nn.Module):
     resident experts are computed first, then the missing ones as they arrive.
     """
 
-    def __init__(self, layer: int, runtime: ExpertRuntime, act_fn: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self, layer: int, runtime: ExpertRuntime, act_fn: Callable[[torch.Tensor], torch.Tensor], num_experts: int
+    ):
         super().__init__()
         self.layer = layer
         self.runtime = runtime
         self.act_fn = act_fn
+        self.num_experts = num_experts
         self._order: list[int] = []  # the experts acquired by prepare_pool_step, finished by finish_pool_step
+        self._pinned_run: int | None = -1  # pinned_run's answer once asked (-1: not yet)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -67,6 +71,9 @@ class OffloadedExperts(nn.Module):
             top_k_index, top_k_weights = rt.replay.route(self.layer, hidden_states.shape[0])
             top_k_index = top_k_index.to(hidden_states.device)
             top_k_weights = top_k_weights.to(hidden_states.device, hidden_states.dtype)
+        first = self.pinned_run()
+        if first is not None and hidden_states.shape[0] > 1 and rt.predictor is None and rt.predictor_worker is None:
+            return self.pinned_forward(hidden_states, top_k_index, top_k_weights, first)
         index_cpu = top_k_index.cpu()  # one sync per layer: the routing decides what to fetch anyway
         order = self.route(hidden_states, top_k_index, top_k_weights, index_cpu)
         pipeline = rt.pipeline
@@ -104,10 +111,43 @@ class OffloadedExperts(nn.Module):
             rt.predict_seconds += time.perf_counter() - start
         return order
 
+    # ---- a pinned layer's prefill: no host work ----------------------------------------------------------------
+    def pinned_run(self) -> int | None:
+        """Where every expert of this layer is pinned in the slot pool at slot `first` + expert (the pinned prefix,
+        or every layer where the GPU slots hold them all: experts/runtime.resident_layers), `first`; else None."""
+        if self._pinned_run == -1:
+            pipeline = self.runtime.pipeline
+            slot = pipeline.tier.pinned_slot
+            first = slot.get((self.layer, 0))
+            in_order = first is not None and all(
+                (self.layer, e) in pipeline.pinned and slot.get((self.layer, e)) == first + e
+                for e in range(self.num_experts)
+            )
+            self._pinned_run = first if in_order and pipeline.tier.pool is not None else None
+        return self._pinned_run
+
+    def pinned_forward(
+        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """A prefill through a pinned layer (pinned_run): the slots follow from the routing on the device, with no
+        host work per expert and no synchronisation, so the host queues the next layers while this one runs. The
+        hits are counted on the device (ExpertPipeline.begin_pinned_layer); the prefill reads them at its end."""
+        rt, pipeline = self.runtime, self.runtime.pipeline
+        for hook in rt.route_hooks:
+            hook(self.layer, x, index, weights)
+        start = time.perf_counter()
+        pipeline.begin_pinned_layer(self.layer, index, self.num_experts)
+        slots = (index + first).to(pipeline.tier.pool.device)
+        out = self.pool_compute(x, slots, weights, run=(first, self.num_experts))
+        pipeline.record_compute(time.perf_counter() - start)
+        return out
+
     # ---- the slot-pool path (one batched call per layer) ----------------------------------------------------
-    def pool_compute(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def pool_compute(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, run: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """x [T, H], slots [T, k] (on the pool's device), weights [T, k] -> [T, H]. Device ops only when T == 1,
-        so a CUDA graph can replay it."""
+        so a CUDA graph can replay it. `run` (first slot, count): the slots are of one pinned layer's experts."""
         pool = self.runtime.pipeline.tier.pool
         if getattr(pool, "form", None) is not None:  # quantized records (experts/tiers/quant_slots.py)
             if x.shape[0] == 1 and pool.form.triton_int4:  # int4 slots for the Triton GEMV: torch has no kernel
@@ -116,11 +156,11 @@ class OffloadedExperts(nn.Module):
 
                 if use_triton_int4(pool.records, pool.form):
                     return fused_decode_records(x, slots, weights, pool.records, pool.form, self.act_fn)
-            return pool_forward(x, slots, weights, pool.records, pool.form, self.act_fn)
+            return pool_forward(x, slots, weights, pool.records, pool.form, self.act_fn, run)
         if x.shape[0] == 1:
             return decode_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn)
         grouped = grouped_mm_works(pool.gate_up.dtype, pool.gate_up.device)
-        return prefill_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn, grouped=grouped)
+        return prefill_experts(x, slots, weights, pool.gate_up, pool.down, self.act_fn, grouped=grouped, run=run)
 
     def prepare_pool_step(
         self, hidden: torch.Tensor, router_index: torch.Tensor, router_weights: torch.Tensor

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.experts.tier import ExpertKey, Tier
 
@@ -136,6 +138,7 @@ class ExpertPipeline:
         self._misses: set[int] = set()  # experts of the current layer that were demand misses
         self._closed = False
         self.residency_version = 0  # bumped whenever an expert enters or leaves a slot (experts/table.py syncs on it)
+        self._uncounted: list[tuple[LayerStats, torch.Tensor]] = []  # pinned layers' hits, counted on the device
         self._update_resident()
         self._workers = [
             threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
@@ -188,6 +191,24 @@ class ExpertPipeline:
             if waiting:
                 self._lock.notify_all()
         return ready + waiting
+
+    def begin_pinned_layer(self, layer: int, experts: torch.Tensor, num_experts: int) -> None:
+        """A layer whose experts are all pinned, routed to `experts` (any shape, on the device): its hits, one per
+        distinct expert as `acquire` counts them, are counted on the device and read by `count_pinned_hits`, so
+        the layer needs no host synchronisation (OffloadedExperts.pinned_forward)."""
+        self.layer_log.append(LayerStats(layer))
+        seen = torch.zeros(num_experts, dtype=torch.bool, device=experts.device)
+        self._uncounted.append((self.layer_log[-1], seen.index_fill_(0, experts.reshape(-1), True).sum()))
+
+    def count_pinned_hits(self) -> None:
+        """Add the pinned layers' hits counted on the device since the last call: one synchronisation for all."""
+        if not self._uncounted:
+            return
+        counts = torch.stack([count for _, count in self._uncounted]).tolist()
+        for (stats, _), hits in zip(self._uncounted, counts, strict=True):
+            stats.hits += hits
+            self.stats.hits += hits
+        self._uncounted = []
 
     def acquire(self, layer: int, expert: int) -> ExpertWeights:
         """The weights of a Required expert; blocks only if it has not arrived yet."""
@@ -381,6 +402,7 @@ class ExpertPipeline:
         with self._lock:
             self.stats = PipelineStats(pinned_bytes=self.stats.pinned_bytes)
             self.layer_log = []
+            self._uncounted = []
             self._update_resident()
 
     def close(self) -> None:

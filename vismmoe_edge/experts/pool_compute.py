@@ -58,11 +58,20 @@ def prefill_experts(
     act: Act,
     *,
     grouped: bool,
+    run: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once."""
+    """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once. `run` (first, count): every
+    slot is in first .. first + count - 1 (one pinned layer's experts), so the grouped GEMM takes all of them as
+    groups, unrouted ones empty, and nothing waits for the host."""
     if not grouped:
         return per_slot_experts(x, slots, weights, lambda slot, rows: expert_mlp(rows, gate_up[slot], down[slot], act))
     order, token_of, xs = sort_by_slot(x, slots)
+    if run is not None:
+        first, count = run
+        ends = torch.arange(first, first + count, device=slots.device)  # group g: the pairs routed to slot first + g
+        offs = torch.searchsorted(slots.reshape(-1)[order], ends, right=True, out_int32=True)
+        hidden = grouped_mlp(xs, gate_up[first : first + count], down[first : first + count], offs, act)
+        return combine_pairs(x, hidden, weights, order, token_of)
     # One group per slot in use: CUDA's grouped GEMM takes at most 1,024 groups, a pool has thousands of slots,
     # so the slots in use (at most the layer's experts) are gathered first.
     used, group = torch.unique(slots.reshape(-1), return_inverse=True)

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import torch
 
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import ExpertPipeline
 from vismmoe_edge.experts.table import ExpertTable
 
 # Experts promoted per token at most: 8 x 9.44 MB (30B-A3B, bf16) is ~1.5 ms of DMA at 50 GB/s, while the token's
 # own in-place reads use the same bus; more would starve them.
 PROMOTIONS_PER_TOKEN = 8
+
+
+def promotions_per_token(value: str | None) -> int:
+    """VISMMOE_PROMOTIONS_PER_TOKEN: unset for the default, else a count >= 0 (one-line error otherwise)."""
+    if value is None or value == "":
+        return PROMOTIONS_PER_TOKEN
+    if not value.isdigit():
+        raise VismmoeError(f"VISMMOE_PROMOTIONS_PER_TOKEN={value!r}: use a whole number >= 0 (0 turns promotion off)")
+    return int(value)
 
 
 def promote_host_reads(

@@ -78,13 +78,19 @@ def decode_quantized(
 
 
 def prefill_quantized(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    form: SlotForm,
+    act: Act,
+    run: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x [T, H], slots and weights [T, k] -> [T, H], each (token, expert) pair once, one GEMM per slot in use
-    (int4 slots in the Triton form: `prefill_rowmajor_int4`)."""
+    (int4 slots in the Triton form: `prefill_rowmajor_int4`, which takes a pinned layer's `run`)."""
     if form.triton_int4:
         grouped = grouped_mm_works(x.dtype, x.device)
-        return prefill_rowmajor_int4(x, slots, weights, records, form, act, grouped=grouped)
+        return prefill_rowmajor_int4(x, slots, weights, records, form, act, grouped=grouped, run=run)
     return per_slot_experts(x, slots, weights, lambda slot, rows: expert_forward(rows, form.views(records[slot]), act))
 
 
@@ -98,23 +104,29 @@ def prefill_rowmajor_int4(
     *,
     grouped: bool,
     chunk: int = PREFILL_CHUNK,
+    run: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The prefill of int4 slots in row-major nibbles (which no torch kernel takes): the slots in use are
     dequantized `chunk` at a time, each chunk with a few batched ops (the per-slot path ran ~10 small kernels and
     their host work per expert: 6,144 experts a prompt at 30B-A3B, 1.4-3.1 s on the H200), then one grouped GEMM
     per projection over the chunk (`grouped`), or one GEMM per slot. The weights are dequantize_matrix's, element
     for element, so without `grouped` the result is that of the per-slot path on CUDA (dequantize_matrix, then
-    F.linear, slot by slot) bit for bit."""
+    F.linear, slot by slot) bit for bit. `run` (first, count): the slots are one pinned layer's experts, every one
+    of which is a group (unrouted ones empty), so no host read waits for the slots in use to be found."""
     order, token_of, xs = sort_by_slot(x, slots)
-    used, counts = torch.unique_consecutive(slots.reshape(-1)[order], return_counts=True)
-    ends = torch.cumsum(counts, 0)
+    sorted_slots = slots.reshape(-1)[order]
+    if run is None:
+        used, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+        ends = torch.cumsum(counts, 0)
+    else:
+        used = torch.arange(run[0], run[0] + run[1], device=slots.device)
+        ends = torch.searchsorted(sorted_slots, used, right=True)
     bounds = [0, *ends.tolist()]  # one host read per layer: where each slot's pairs start
     y = torch.empty(xs.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
     for c0 in range(0, used.shape[0], chunk):
         c1 = min(c0 + chunk, used.shape[0])
-        chosen = records.index_select(0, used[c0:c1])  # [c, nbytes]
-        gate_up = dequantize_rowmajor(form, chosen, "gate_up_proj", x.dtype)  # [c, 2I, H]
-        down = dequantize_rowmajor(form, chosen, "down_proj", x.dtype)  # [c, H, I]
+        gate_up = dequantize_slots(records, form, used[c0:c1], "gate_up_proj", x.dtype)  # [c, 2I, H]
+        down = dequantize_slots(records, form, used[c0:c1], "down_proj", x.dtype)  # [c, H, I]
         if grouped:
             offs = (ends[c0:c1] - bounds[c0]).to(torch.int32)
             y[bounds[c0] : bounds[c1]] = grouped_mlp(xs[bounds[c0] : bounds[c1]], gate_up, down, offs, act)
@@ -123,6 +135,19 @@ def prefill_rowmajor_int4(
             part = slice(bounds[c0 + i], bounds[c0 + i + 1])
             y[part] = expert_mlp(xs[part], gate_up[i], down[i], act)
     return combine_pairs(x, y, weights, order, token_of)
+
+
+def dequantize_slots(
+    records: torch.Tensor, form: SlotForm, slot_ids: torch.Tensor, name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Matrix `name` of the slots `slot_ids` [c] in row-major nibbles -> [c, N, K] in `dtype`: with Triton one
+    kernel reading the records in place (kernels/dequant_int4.py), else the slots gathered and dequantize_rowmajor;
+    the same values either way."""
+    from vismmoe_edge.kernels.dequant_int4 import dequantize_int4_slots, dequantizes  # kernels/ imports experts/
+
+    if dequantizes(records, form):
+        return dequantize_int4_slots(records, form, slot_ids, name, dtype)
+    return dequantize_rowmajor(form, records.index_select(0, slot_ids), name, dtype)
 
 
 def dequantize_rowmajor(form: SlotForm, chosen: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -137,9 +162,16 @@ def dequantize_rowmajor(form: SlotForm, chosen: torch.Tensor, name: str, dtype: 
 
 
 def pool_forward(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    records: torch.Tensor,
+    form: SlotForm,
+    act: Act,
+    run: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise."""
+    """OffloadedExperts.pool_compute for a quantized pool: decode for one token, prefill otherwise (`run`: the
+    slots are one pinned layer's, prefill_rowmajor_int4)."""
     if x.shape[0] == 1:
         return decode_quantized(x, slots, weights, records, form, act)
-    return prefill_quantized(x, slots, weights, records, form, act)
+    return prefill_quantized(x, slots, weights, records, form, act, run)

@@ -20,8 +20,6 @@ ops of fixed shape, so a CUDA graph replays it; on a miss the output is garbage 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +29,9 @@ import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
-from vismmoe_edge.kernels.moe_int4 import ROUNDING, blocks, gemv_int4, grid
+from vismmoe_edge.kernels.moe_int4 import HAS_TRITON, INTERPRET, ROUNDING, blocks, gemv_int4, grid
 
 Act = Callable[[torch.Tensor], torch.Tensor]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -14,12 +14,14 @@ Half the bytes of int8 and a quarter of bf16 per weight: at 30B-A3B shapes a lay
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the inner activation's rounding; float32 keeps it (0)
 

@@ -67,7 +67,8 @@ def build_offloaded(
     language_model = model.model.language_model
     layers = language_model.layers
     for layer in catalogue.moe_layers:
-        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, layers[layer].mlp.experts.act_fn)
+        act = layers[layer].mlp.experts.act_fn
+        layers[layer].mlp.experts = OffloadedExperts(layer, runtime, act, catalogue.num_experts)
     quant = None if catalogue.quant is None else catalogue.quant.quant
     choices = stored_matrices(table, quant.layout) if quant is not None and quant.dense_bits is not None else {}
     swap_quantized_linears(model, choices, quant.layout if quant is not None else "")

@@ -68,7 +68,8 @@ def triton_int4_slots(store: ExpertStore, total: int) -> bool:
     tiles. `VISMMOE_INT4_SLOTS`: "triton", "tinygemm", or "auto" (the default): Triton where the engine's
     device decode "auto" will read the pool, i.e. every expert fits in it (Engine.uses_device_decode) and
     VISMMOE_DEVICE_DECODE is not "off". The per-layer decode of such a pool also runs the Triton GEMV
-    (OffloadedExperts.pool_compute); its prefill dequantizes each slot in use and runs F.linear (kernels.linear)."""
+    (OffloadedExperts.pool_compute); its prefill dequantizes the slots in use and runs grouped GEMMs
+    (quant_pool.prefill_rowmajor_int4)."""
     spec = store.catalogue.quant  # the records' ExpertSpec
     if store.device.type != "cuda" or spec is None or spec.quant.bits != 4:
         return False

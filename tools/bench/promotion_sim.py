@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Do promotions pay for their bus bytes? A replay of a routing trace through a slot pool, no model.
+
+A device token reads the experts no GPU slot holds in place over the bus; after it, up to `limit` of them are
+copied into slots (experts/promotion.py), evicting the least recently used. A promotion costs one expert's bytes
+on the same bus and pays only if the expert is routed to again before it is evicted. This counts, per decode
+token, the experts read in place and those promoted, for several limits, on the geometry of tools/bench/
+discrete.py's 20 GiB rows (48 MoE layers of 128 experts, the first 3 pinned, 1,834 slots, MoE layer i replaying
+trace layer i mod the trace's layers as vismmoe_edge/experts/replay.py does). The slots start with the experts
+the prompt routed to most (the prefill's popularity), the prompt being the trace's tokens before the decode.
+    python3 tools/bench/promotion_sim.py TRACE.npz [--decode-tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vismmoe_edge.trace import RoutingTrace, load_trace  # noqa: E402
+
+Key = tuple[int, int]
+
+
+def routed(trace: RoutingTrace, token: int, layers: int, pinned: int) -> list[Key]:
+    row = trace.expert_ids[token % trace.num_tokens]
+    return [(m, int(e)) for m in range(pinned, layers) for e in row[m % trace.num_layers]]
+
+
+def replay(trace: RoutingTrace, start: int, *, limit: int, slots: int, layers: int, pinned: int, experts: int,
+           prompt: int, decode: int) -> tuple[float, float]:  # fmt: skip
+    """(experts read in place, experts promoted) per decode token."""
+    counts = collections.Counter(k for t in range(start, start + prompt) for k in routed(trace, t, layers, pinned))
+    capacity = slots - pinned * experts  # the pinned layers' experts take slots of their own
+    resident = collections.OrderedDict((k, None) for k, _ in counts.most_common(capacity))  # first out first
+    reads = promoted = 0
+    for t in range(start + prompt, start + prompt + decode):
+        missed = []
+        for key in routed(trace, t, layers, pinned):
+            if key in resident:
+                resident.move_to_end(key)
+            elif key not in missed:
+                missed.append(key)
+        reads += len(missed)
+        for key in missed[:limit]:  # in routing order, as promote_host_reads takes them
+            if len(resident) >= capacity:
+                resident.popitem(last=False)
+            resident[key] = None
+            promoted += 1
+    return reads / decode, promoted / decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--pinned", type=int, default=3)
+    ap.add_argument("--slots", type=int, default=1834)
+    ap.add_argument("--expert-mb", type=float, default=9.437184, help="one expert's bytes (bf16 30B-A3B)")
+    ap.add_argument("--prompt-tokens", type=int, default=1100)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--starts", default="0,2000,4000", help="trace positions of the prompts (one trial each)")
+    ap.add_argument("--limits", default="0,8,16,32,64,100000")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    trace = load_trace(args.trace)
+    rows = []
+    print(f"{'limit':>7} {'read in place':>14} {'promoted':>9} {'bus MB/token':>13}")
+    for limit in (int(x) for x in args.limits.split(",")):
+        trials = [replay(trace, int(s), limit=limit, slots=args.slots, layers=args.layers, pinned=args.pinned,
+                         experts=args.experts, prompt=args.prompt_tokens, decode=args.decode_tokens)
+                  for s in args.starts.split(",")]  # fmt: skip
+        reads = statistics.median(r for r, _ in trials)
+        promoted = statistics.median(p for _, p in trials)
+        bus_mb = (reads + promoted) * args.expert_mb
+        rows.append({"limit": limit, "reads_per_token": reads, "promoted_per_token": promoted, "bus_mb": bus_mb})
+        print(f"{limit:>7} {reads:>14.1f} {promoted:>9.1f} {bus_mb:>13.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
