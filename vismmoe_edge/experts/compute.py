@@ -126,9 +126,7 @@ class OffloadedExperts(nn.Module):
             self._pinned_run = first if in_order and pipeline.tier.pool is not None else None
         return self._pinned_run
 
-    def pinned_forward(
-        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, first: int
-    ) -> torch.Tensor:
+    def pinned_forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, first: int) -> torch.Tensor:
         """A prefill through a pinned layer (pinned_run): the slots follow from the routing on the device, with no
         host work per expert and no synchronisation, so the host queues the next layers while this one runs. The
         hits are counted on the device (ExpertPipeline.begin_pinned_layer); the prefill reads them at its end."""
