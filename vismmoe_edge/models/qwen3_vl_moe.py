@@ -88,7 +88,8 @@ class Qwen3VLMoeOps(MRopeOps):
         visual_mask: torch.Tensor | None,
         deepstack: list[torch.Tensor],
     ) -> torch.Tensor:
-        if index < len(deepstack) and visual_mask is not None:
+        # (a prompt part with no visual token, e.g. after a reused prefix, adds nothing: no masked read to wait for)
+        if index < len(deepstack) and visual_mask is not None and deepstack[index].shape[0] > 0:
             return language_model._deepstack_process(hidden, visual_mask, deepstack[index])
         return hidden
 
