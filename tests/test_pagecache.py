@@ -288,7 +288,10 @@ def test_release_cold_keeps_the_pages(mf: pc.MappedFile) -> None:
         pytest.skip("MADV_COLD needs Linux 5.4")
     pc.prefetch_pread(mf, RANGES[:1])
     assert pc.release(mf, RANGES[:1], method="cold") == "cold"
-    assert pc.resident_pages(mf, RANGES[:1]) == pc.span_pages(RANGES[:1])  # a hint, not a drop
+    # A hint, not a drop: the pages stay (a drop leaves none). Cold pages are what reclaim takes first, so when
+    # the machine reclaims meanwhile (the suite fills the page cache) a few may go: 13 of 2,305 once in the suite.
+    resident, span = pc.resident_pages(mf, RANGES[:1])[0], pc.span_pages(RANGES[:1])[0]
+    assert resident >= span * 0.95
     with pytest.raises(ValueError, match="method"):
         pc.release(mf, RANGES, method="free")
 
