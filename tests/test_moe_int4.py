@@ -180,11 +180,9 @@ def test_the_dequantize_kernel_is_dequantize_rowmajor_exactly(hidden: int, inter
     the value of quant_pool.dequantize_rowmajor (the int4 prefill's torch path), bit for bit; rows and bytes that
     do not fill a block (80 rows, 48 codes) are masked."""
     from vismmoe_edge.experts.quant_pool import dequantize_rowmajor, dequantize_slots
-    from vismmoe_edge.kernels.dequant_int4 import dequantizes
-
     spec, records, _ = make_records(hidden, inter, group, seed=3)
     form = SlotForm.for_device(spec, CUDA, triton=True)
-    assert dequantizes(records, form)
+    assert md.use_triton_int4(records, form)
     chosen = torch.tensor([2, 0, SLOTS - 1])
     for name in MATRICES:
         got = dequantize_slots(records, form, chosen, name, dtype)

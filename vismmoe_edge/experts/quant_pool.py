@@ -32,8 +32,8 @@ from vismmoe_edge.quant.packing import unpack_rowmajor
 from vismmoe_edge.quant.slot_form import SlotForm
 
 Act = Callable[[torch.Tensor], torch.Tensor]
-# Slots dequantized at once in an int4 prefill: ~30 MB of transients each at 30B-A3B shapes (float32 codes, bf16
-# weights), so ~0.5 GB at a time whatever the layer routes.
+# Slots dequantized at once in an int4 prefill: at 30B-A3B shapes ~9.4 MB of bf16 weights each, plus ~20 MB of
+# float32 transients on the torch path (not with Triton's kernel), so at most ~0.5 GB whatever the layer routes.
 PREFILL_CHUNK = 16
 
 
@@ -143,10 +143,12 @@ def dequantize_slots(
     """Matrix `name` of the slots `slot_ids` [c] in row-major nibbles -> [c, N, K] in `dtype`: with Triton one
     kernel reading the records in place (kernels/dequant_int4.py), else the slots gathered and dequantize_rowmajor;
     the same values either way."""
-    from vismmoe_edge.kernels.dequant_int4 import dequantize_int4_slots, dequantizes  # kernels/ imports experts/
+    # imported here: kernels/ imports experts/
+    from vismmoe_edge.kernels.dequant_int4 import dequantize_int4_slots
+    from vismmoe_edge.kernels.slot_matrix import record_matrix, use_triton_int4
 
-    if dequantizes(records, form):
-        return dequantize_int4_slots(records, form, slot_ids, name, dtype)
+    if use_triton_int4(records, form):
+        return dequantize_int4_slots(record_matrix(records, form, name), slot_ids, dtype)
     return dequantize_rowmajor(form, records.index_select(0, slot_ids), name, dtype)
 
 

@@ -17,30 +17,21 @@ from typing import Any
 
 import torch
 
-from vismmoe_edge.kernels.moe_int4 import HAS_TRITON, INTERPRET
+from vismmoe_edge.kernels.moe_int4 import INTERPRET
+from vismmoe_edge.kernels.slot_matrix import SlotMatrix
 
 BLOCK_N = 32  # rows a program
 HALF = 64  # bytes of a row a program (128 codes)
 
 
-def dequantizes(records: torch.Tensor, form: Any) -> bool:
-    """Records of a SlotForm in row-major nibbles (form.triton_int4), on CUDA with Triton (or its interpreter)."""
-    return HAS_TRITON and (records.is_cuda or INTERPRET) and form.triton_int4
-
-
-def dequantize_int4_slots(
-    records: torch.Tensor, form: Any, slot_ids: torch.Tensor, name: str, dtype: torch.dtype
-) -> torch.Tensor:
-    """Matrix `name` [N, K] of the slots `slot_ids` [c] of `records` [S, nbytes] -> [c, N, K] in `dtype`."""
-    offsets = {f.name: f.offset for f in form.spec.fields}
-    n, k = form.spec.matrices[name]
+def dequantize_int4_slots(w: SlotMatrix, slot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w: int4 records' matrix (slot_matrix.record_matrix); slot_ids [c] -> [c, N, K] in `dtype`."""
     c = slot_ids.shape[0]
-    out = torch.empty(c, n, k, dtype=dtype, device=records.device)
-    grid = (c, -(-n // BLOCK_N), -(-(k // 2) // HALF))
+    out = torch.empty(c, w.n, w.k, dtype=dtype, device=w.base.device)
+    grid = (c, -(-w.n // BLOCK_N), -(-(w.k // 2) // HALF))
     options = {} if INTERPRET else {"enable_fp_fusion": False}
-    _kernel()[grid](records, slot_ids.to(torch.int32), out, n, k, records.stride(0), offsets[f"{name}.qweight"],
-                    offsets[f"{name}.scales_zeros"], GROUP=form.spec.quant.group_size, BF16=dtype == torch.bfloat16,
-                    BLOCK_N=BLOCK_N, HALF=HALF, **options)  # fmt: skip
+    _kernel()[grid](w.base, slot_ids.to(torch.int32), out, w.n, w.k, w.stride_slot, w.q_off, w.s_off,
+                    GROUP=w.group, BF16=dtype == torch.bfloat16, BLOCK_N=BLOCK_N, HALF=HALF, **options)  # fmt: skip
     return out
 
 

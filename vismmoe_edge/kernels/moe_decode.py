@@ -21,7 +21,6 @@ ops of fixed shape, so a CUDA graph replays it; on a miss the output is garbage 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
 from vismmoe_edge.kernels.moe_int4 import HAS_TRITON, INTERPRET, ROUNDING, blocks, gemv_int4, grid
+from vismmoe_edge.kernels.slot_matrix import SlotMatrix, record_matrix, use_triton_int4
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -138,12 +138,6 @@ def use_triton_int8(records: torch.Tensor, form: Any) -> bool:
     return HAS_TRITON and (records.is_cuda or INTERPRET) and form.spec.quant.bits == 8
 
 
-def use_triton_int4(records: torch.Tensor, form: Any) -> bool:
-    """int4 records whose slots hold row-major nibbles (SlotForm.triton_int4: the pool chose the Triton form) on
-    CUDA with Triton; tinygemm's tiles stay on the torch path."""
-    return HAS_TRITON and (records.is_cuda or INTERPRET) and form.triton_int4
-
-
 def fused_decode(
     x: torch.Tensor,
     slots: torch.Tensor,
@@ -172,48 +166,9 @@ def fused_decode_records(
     """The Triton path over quantized records [S, nbytes] (use_triton_int8, use_triton_int4): codes and scales
     read in place from each slot's record and dequantized in registers, summed in float32 (int8: w = code *
     scale; int4 in row-major nibbles: w = (code - 8) * scale + zero per group)."""
-    matrices = [_record_matrix(records, form, m) for m in ("gate_up_proj", "down_proj")]
+    matrices = [record_matrix(records, form, m) for m in ("gate_up_proj", "down_proj")]
     y = _two_gemvs(x, slots, weights, act, *matrices)
     return y.sum(0, keepdim=True).to(x.dtype) if summed else y
-
-
-def _record_matrix(records: torch.Tensor, form: Any, name: str) -> SlotMatrix:
-    offsets = {f.name: f.offset for f in form.spec.fields}
-    shape, codes, quant = form.spec.matrices[name], offsets[f"{name}.qweight"], form.spec.quant
-    if quant.bits == 8:
-        return SlotMatrix.of_int8(records, shape, codes, offsets[f"{name}.scales"])
-    return SlotMatrix.of_int4(records, shape, codes, offsets[f"{name}.scales_zeros"], quant.group_size)
-
-
-@dataclass(frozen=True)
-class SlotMatrix:
-    """Where one matrix [N, K] of every slot is: a float pool (`stride_row` elements between rows), int8
-    records (codes at byte `q_off` of each record, row-major; a bf16 scale per row at byte `s_off`), or int4
-    records (`group` > 0: row-major nibbles at `q_off`, bf16 (scale, zero) [K/group, N, 2] at `s_off`)."""
-
-    base: torch.Tensor
-    n: int
-    k: int
-    stride_slot: int
-    stride_row: int
-    int8: bool = False
-    q_off: int = 0
-    s_off: int = 0
-    group: int = 0
-
-    @staticmethod
-    def of_pool(w: torch.Tensor) -> SlotMatrix:
-        return SlotMatrix(w, w.shape[1], w.shape[2], w.stride(0), w.stride(1))
-
-    @staticmethod
-    def of_int8(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int) -> SlotMatrix:
-        n, k = shape
-        return SlotMatrix(records, n, k, records.stride(0), k, int8=True, q_off=q_off, s_off=s_off)
-
-    @staticmethod
-    def of_int4(records: torch.Tensor, shape: tuple[int, int], q_off: int, s_off: int, group: int) -> SlotMatrix:
-        n, k = shape
-        return SlotMatrix(records, n, k, records.stride(0), k // 2, q_off=q_off, s_off=s_off, group=group)
 
 
 def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act: Act, gate_up: SlotMatrix,

@@ -34,7 +34,7 @@ def gemv_int4(
     *,
     silu_of: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """w: a moe_decode.SlotMatrix of int4 records (`group` > 0). slot_ids [k] int32 -> [k, N] float32:
+    """w: a slot_matrix.SlotMatrix of int4 records (`group` > 0). slot_ids [k] int32 -> [k, N] float32:
     out[e] = W[slot_ids[e]] @ v[e]; `silu_of` as moe_decode.gemv (v [k, 2K] gate | up in float32, the input
     silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
     k = slot_ids.shape[0]
