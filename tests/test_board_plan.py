@@ -60,6 +60,8 @@ def test_nano_8gb_plan_from_this_machine(qwen30b: Path) -> None:
     assert plan["cache_bytes"] >= 0.1 * plan["total_expert_bytes"]
     assert plan["weights"]["embedding_bytes"] == 0 and plan["weights"]["embedding_on_disk_bytes"] == 151936 * 2048 * 2
     assert any("not for this machine" in w for w in plan["warnings"])
+    # unified-slots reads the codes where they land, so the conversion it asks for writes row-major ones
+    assert any("quantize --bits 4 --layout rowmajor" in line for line in plan["why"])
 
 
 def test_nx_16gb_plan_with_int4_experts(qwen30b: Path) -> None:

@@ -198,3 +198,24 @@ def test_after_loading_the_page_cache_holds_no_weight(cold_checkpoints):
     assert resident == 0
     assert engine.experts.pipeline.stats.pinned_bytes == 2 * info.catalogue.layer_bytes(info.catalogue.moe_layers[0])
     engine.experts.pipeline.close()
+
+
+def test_a_quantized_files_slot_form_on_cuda_is_its_own_rows(tmp_path):
+    """On CUDA the records' int4 codes must already be row-major (the Triton GEMV reads them where the read left
+    them); a file in a CPU's tiles is refused in one line naming `--layout rowmajor`. Pure bookkeeping: no CUDA
+    needed to decide it."""
+    from vismmoe_edge.conversion import quantize_checkpoint
+    from vismmoe_edge.experts.tiers.igpu_slots import record_form
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    src = build_tiny_checkpoint(tmp_path / "src", seed=7, num_layers=2, moe_intermediate=96)
+    forms = {}
+    for layout in ("rowmajor", "cpu_b16_pairs"):
+        q = quantize_checkpoint(src, tmp_path / layout, 4, 32, progress=False, layout=layout)
+        store = ExpertStore(inspect_checkpoint(q).catalogue, ShardFiles(), torch.bfloat16, torch.device("cuda"))
+        try:
+            forms[layout] = record_form(store)
+        except VismmoeError as e:
+            forms[layout] = str(e)
+    assert forms["rowmajor"].triton_int4 and not forms["rowmajor"].rebuilds
+    assert "cpu_b16_pairs" in forms["cpu_b16_pairs"] and "--layout rowmajor" in forms["cpu_b16_pairs"]

@@ -291,6 +291,28 @@ def test_interrupted_run_leaves_nothing_that_loads(qwen: dict[str, Path], tmp_pa
     assert written and not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_is_one_line_and_leaves_nothing(qwen: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    """Too little free space is refused before converting; a disk that fills up during the run (another writer)
+    ends in one line too. Either way nothing is left at the output path."""
+    import errno
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(VismmoeError, match=r"the output needs .* free: free space there"):
+        quantize_checkpoint(qwen["v5"], tmp_path / "out", 4, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    def full(path, units, bar):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert, "_write_shard", full)
+    with pytest.raises(VismmoeError, match="filled up while writing"):
+        quantize_checkpoint(qwen["v5"], tmp_path / "out", 4, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_killed_run_leaves_no_config(qwen: dict[str, Path], tmp_path: Path) -> None:
     """SIGKILL (no cleanup runs): the hidden temporary directory stays, but it has no config.json, and OUT is absent."""
     import subprocess

@@ -22,6 +22,7 @@ from tests.hf_reference import assert_matches, hf_references
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.config import parse_budget
 from vismmoe_edge.conversion import dequantize_checkpoint, quantize_checkpoint
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.quant.kernels import CUDA_TINYGEMM, cpu_kernel_ok
 from vismmoe_edge.quant.packing import native_cpu_layout
 
@@ -101,14 +102,14 @@ def test_every_source_layout_quantizes_to_the_same_file(quantized) -> None:
         assert config == base_config
 
 
-@pytest.mark.parametrize("tier", ["host", "unified"])
+@pytest.mark.parametrize("tier", ["host", "unified", "unified-slots"])
 @pytest.mark.parametrize("budget", ["100%", "25%"])
 def test_int4_matches_transformers_on_the_dequantized_file(quantized, references, budget, tier) -> None:
     name = "int4-v5"  # the hub and per-expert conversions are the same bytes (the test above)
     engine = load(quantized[name], budget, tier)
     assert engine.dtype == torch.float32 and engine.catalogue.quant.quant.bits == 4
     tier_impl = engine.experts.pipeline.tier
-    if tier == "host":  # the CPU kernel's tiles sit in the slot as the file stores them: nothing rebuilt per fetch
+    if tier != "unified":  # the CPU kernel's tiles sit in the slot as the file stores them: nothing rebuilt per fetch
         assert set(tier_impl.form.layouts.values()) == {native_cpu_layout()} and not tier_impl.form.rebuilds
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no per-call repack, no dequantize fallback warning
@@ -121,7 +122,7 @@ def test_int4_matches_transformers_on_the_dequantized_file(quantized, references
         assert stats.misses > 0 and stats.evictions > 0
 
 
-@pytest.mark.parametrize("tier", ["host", "unified"])
+@pytest.mark.parametrize("tier", ["host", "unified", "unified-slots"])
 @pytest.mark.parametrize("budget", ["100%", "25%"])
 def test_int8_matches_transformers_on_the_dequantized_file(quantized, references, budget, tier) -> None:
     engine = load(quantized["int8-v5"], budget, tier)
@@ -142,6 +143,13 @@ def test_a_file_in_another_cpus_layout_still_matches(quantized, references, tier
         return
     with pytest.warns(RuntimeWarning, match="repacking every call"):
         assert_matches(engine, references("int4-rowmajor"))
+
+
+def test_the_unified_slot_tier_refuses_codes_its_kernels_do_not_read(quantized) -> None:
+    """unified-slots reads a record straight into the slot the kernels read and never rewrites it, so a file whose
+    int4 codes are in another layout is refused at load in one line that names the conversion."""
+    with pytest.raises(VismmoeError, match=r"layout rowmajor.*--layout auto"):
+        load(quantized["int4-rowmajor"], "25%", "unified-slots")
 
 
 def test_a_group_the_kernels_lack_falls_back_and_matches(quantized, references) -> None:

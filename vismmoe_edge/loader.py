@@ -14,6 +14,7 @@ from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH, attach_predicto
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
 from vismmoe_edge.predict.factory import check_predictor_name, make_predictor
 from vismmoe_edge.step_context import StepContext
+from vismmoe_edge.transformers_version import check_transformers
 
 
 def eos_token_ids(model_dir: Path, config: object, tokenizer: object) -> list[int]:
@@ -71,6 +72,7 @@ def load(
 
     Options left to the planner ("auto" budget, ...) are filled by `vismmoe_edge.options.load_engine`.
     """
+    check_transformers()
     info = as_checkpoint_info(model_dir)
     model_dir, config, table, catalogue = info.model_dir, info.config, info.table, info.catalogue
     torch_device = resolve_device(device)

@@ -526,7 +526,7 @@ def main() -> None:
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
                     "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
-                    "device-mapped-no-promotion, "
+                    "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, "
                     "unified-registered, "
@@ -574,7 +574,7 @@ def main() -> None:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial"}:
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
-                       "device-mapped-no-promotion", "budget-default"}  # fmt: skip
+                       "device-mapped-promotion-8", "budget-default"}  # fmt: skip
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
@@ -599,8 +599,9 @@ def main() -> None:
                  {"device_decode": "auto", "compiled": True, "ahead": "off"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
-                # the same with no expert promoted into a slot: do promotions pay for their bus bytes?
-                ("budget", "device-mapped-no-promotion", {"device_decode": "on", "mapped": True, "promotions": 0}),
+                # the same with up to 8 experts read in place promoted into slots a token (off by default since
+                # run 8): do promotions pay for their bus bytes?
+                ("budget", "device-mapped-promotion-8", {"device_decode": "on", "mapped": True, "promotions": 8}),
                 # the engine's own choices at this budget (device path, in-place reads, compiled layers: "auto")
                 ("budget", "budget-default", {"device_decode": "auto", "mapped": "auto", "compiled": "auto"}),
             ]

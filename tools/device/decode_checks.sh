@@ -103,7 +103,7 @@ bench|bench-int4)
     timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     if [ "$MODE" = bench ]; then
         # (unified-slots has a call of its own, `unified`: here it measured the lease's disk, run 6)
-        STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-no-promotion,budget-default,popularity,hf-static-no-cudnn}
+        STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-promotion-8,budget-default,popularity,hf-static-no-cudnn}
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"

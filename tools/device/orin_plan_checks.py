@@ -51,7 +51,9 @@ def tiny_dense(root: Path, dense_bits: int) -> tuple[Path, Path]:
     src = root / "src"
     if not (src / "config.json").exists():
         build_tiny_checkpoint(src, seed=5, dtype=torch.bfloat16, num_layers=8, moe_intermediate=96)
-    q = quantize_checkpoint(src, root / f"dense{dense_bits}", 4, 32, progress=False, dense_bits=dense_bits)
+    # row-major int4 codes: what unified-slots reads on CUDA (the gpu tier takes any layout)
+    q = quantize_checkpoint(src, root / f"dense{dense_bits}", 4, 32, progress=False, dense_bits=dense_bits,
+                            layout="rowmajor")  # fmt: skip
     return q, dequantize_checkpoint(q, root / f"dense{dense_bits}-deq")
 
 

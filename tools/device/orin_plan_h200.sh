@@ -12,6 +12,14 @@ set -u
 OUT=${OUT:-/tmp/orin-plan-out}
 mkdir -p "$OUT"
 WORK=${WORK:-$(mktemp -d /tmp/orin-plan-work.XXXX)}
+. "$(dirname "$0")/carried_wheels.sh"  # the transformers we test against, not whatever the machine has
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# On a warm machine the other device scripts' checkpoints may still fill the disk (decode_checks.sh writes 61 GB
+# under /tmp/bench): the 48-layer build needs ~17 GB, so those go first.
+if [ "${LAYERS:-8}" = 48 ] && [ "${STAGE:-run}" = build ]; then
+    rm -rf /tmp/bench /dev/shm/bench-int4
+fi
+df -h "$WORK" | tail -1
 if [ "${STAGE:-run}" = build ]; then
     python3 tools/device/orin_plan_checks.py --build-only --work "$WORK" --layers "${LAYERS:-8}" 2>&1 | tee "$OUT/orin_plan_build.log"
     exit "${PIPESTATUS[0]}"

@@ -15,9 +15,13 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import ExpertPipeline
 from vismmoe_edge.experts.table import ExpertTable
 
-# Experts promoted per token at most: 8 x 9.44 MB (30B-A3B, bf16) is ~1.5 ms of DMA at 50 GB/s, while the token's
-# own in-place reads use the same bus; more would starve them.
-PROMOTIONS_PER_TOKEN = 8
+# Experts promoted per token at most, by default none. On real routing at a 20 GiB bf16 budget (30% of the experts
+# in slots), a promoted expert is rarely read again before it is evicted: the H200's run 8 decoded 35.7 tok/s
+# without promotion against 29.3 with 8 a token (DeepSeek-V2-Lite trace replayed; sampled routing 48.5 vs 49.6),
+# at the same hit rate, and tools/bench/promotion_sim.py counts 886 MB a token moved without, 971 with 8
+# (docs/benchmarks.md, run 8). A workload whose decode keeps returning to the same few experts may set
+# VISMMOE_PROMOTIONS_PER_TOKEN (8 x 9.44 MB is ~1.5 ms of DMA at 50 GB/s, beside the token's own reads).
+PROMOTIONS_PER_TOKEN = 0
 
 
 def promotions_per_token(value: str | None) -> int:

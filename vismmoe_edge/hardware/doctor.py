@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.system import GIB, JetsonBoard
+from vismmoe_edge.transformers_version import check_transformers as check_version
 
 # Wheels for JetPack 6 (CUDA 12.6): torch and onnxruntime-gpu have no aarch64 CUDA builds on PyPI
 # (docs/platform-facts.md §3.5, microsoft/onnxruntime #20503).
@@ -136,6 +138,10 @@ def check_transformers() -> Check:
             f"{_version(transformers)} lacks Qwen3VLMoeForConditionalGeneration ({type(exc).__name__})",
             fix=fix,
         )
+    try:
+        check_version(transformers.__version__)
+    except VismmoeError:
+        return Check("transformers", False, f"{_version(transformers)}: outside the supported range", fix=fix)
     return Check("transformers", True, f"{_version(transformers)} (Qwen3VLMoeForConditionalGeneration ok)")
 
 

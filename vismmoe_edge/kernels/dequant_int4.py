@@ -59,9 +59,14 @@ def _kernel():  # type: ignore[no-untyped-def]
         record = w + tl.load(slot_ids + e).to(tl.int64) * stride_slot
         byte = tl.load(record + q_off + rows[:, None].to(tl.int64) * kb + jb[None, :], mask=ok, other=0)
         sz = (record + s_off).to(tl.pointer_type(tl.bfloat16))  # [K/GROUP, N, 2]: (scale, zero)
-        at = (((2 * jb) // GROUP)[None, :] * N + rows[:, None]) * 2  # both nibbles of a byte share a group
-        scale = tl.load(sz + at, mask=ok, other=0.0).to(tl.float32)
-        zero = tl.load(sz + at + 1, mask=ok, other=0.0).to(tl.float32)
+        if GROUP >= 2 * HALF:  # the program's codes are all in one group: one (scale, zero) a row, broadcast
+            at = ((tl.program_id(2) * 2 * HALF // GROUP) * N + rows) * 2
+            scale = tl.load(sz + at, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+            zero = tl.load(sz + at + 1, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        else:
+            at = (((2 * jb) // GROUP)[None, :] * N + rows[:, None]) * 2  # both nibbles of a byte share a group
+            scale = tl.load(sz + at, mask=ok, other=0.0).to(tl.float32)
+            zero = tl.load(sz + at + 1, mask=ok, other=0.0).to(tl.float32)
         lo = ((byte & 15).to(tl.float32) - 8.0) * scale + zero
         hi = ((byte >> 4).to(tl.float32) - 8.0) * scale + zero
         at_out = e.to(tl.int64) * N * K + rows[:, None].to(tl.int64) * K + 2 * jb[None, :]
@@ -69,9 +74,10 @@ def _kernel():  # type: ignore[no-untyped-def]
             lo_bits, hi_bits = lo.to(tl.uint32, bitcast=True), hi.to(tl.uint32, bitcast=True)
             lo_bits = (lo_bits + ((lo_bits >> 16) & 1) + 0x7FFF) >> 16
             hi_bits = (hi_bits + ((hi_bits >> 16) & 1) + 0x7FFF) >> 16
-            bf16 = out.to(tl.pointer_type(tl.uint16)) + at_out
-            tl.store(bf16, lo_bits.to(tl.uint16), mask=ok)
-            tl.store(bf16 + 1, hi_bits.to(tl.uint16), mask=ok)
+            # both codes of a byte are adjacent bf16s: one 32-bit store (low half first, little-endian) instead of
+            # two 2-byte stores at a 4-byte stride
+            pair = out.to(tl.pointer_type(tl.uint32)) + at_out // 2
+            tl.store(pair, (hi_bits << 16) | lo_bits, mask=ok)
         else:
             tl.store(out + at_out, lo.to(out.dtype.element_ty), mask=ok)
             tl.store(out + at_out + 1, hi.to(out.dtype.element_ty), mask=ok)

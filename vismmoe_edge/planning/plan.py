@@ -33,11 +33,12 @@ from vismmoe_edge.checkpoint_info import CheckpointInfo, as_checkpoint_info
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
-from vismmoe_edge.hardware.gpu_access import GpuAccess, igpu_tier
+from vismmoe_edge.hardware.gpu_access import SLOTS_TIER, GpuAccess, igpu_tier
 from vismmoe_edge.hardware.profiles import Profile
 from vismmoe_edge.planning.board_memory import BoardMemory, board_memory, on_the_board
 from vismmoe_edge.planning.memory_plan import DEFAULT_CONTEXT_TOKENS, runtime_parts
 from vismmoe_edge.planning.weights import bf16_resident_bytes, weight_bytes
+from vismmoe_edge.quant.packing import ROWMAJOR
 from vismmoe_edge.units import format_bytes
 
 GIB = 1 << 30
@@ -327,6 +328,8 @@ def make_plan(
         else:
             why.append(f"prefetch depth {depth} (profile {profile.name}); {held}")
     why.append(tier_why)
+    if (layout_note := _int4_layout_note(checkpoint, weights, tier)) is not None:
+        why.append(layout_note)
     memory_parts = {
         **{n: v for n, v in parts.as_dict().items() if n.endswith("_bytes") and n not in _NOT_SUMMED},
         "pinned_prefix_bytes": pinned * s_layer,
@@ -393,6 +396,22 @@ def _weights_note(weights: Any) -> str:
         dense = f", dense weights int{weights.dense_bits}, vision tower int8" if weights.dense_bits else ""
         parts += f"; sizes as `quantize --bits {weights.bits}` would write them{dense}"
     return parts
+
+
+def _int4_layout_note(checkpoint: CheckpointInfo, weights: Any, tier: str) -> str | None:
+    """Which int4 layout the tier reads: unified-slots reads each record into the slot its GPU kernels read, so
+    its codes must be row-major (experts/tiers/igpu_slots.py); `quantize --layout auto` writes the CPU's tiles."""
+    if tier != SLOTS_TIER:
+        return None
+    quant = checkpoint.catalogue.quant
+    if quant is not None and quant.quant.bits == 4 and quant.quant.layout != ROWMAJOR:
+        return (
+            f"int4 codes: this file's are in layout {quant.quant.layout}, which tier {tier} refuses (its GPU kernels "
+            f"read rows as stored): convert with `quantize --bits 4 --layout {ROWMAJOR}`"
+        )
+    if weights.planned and weights.bits == 4:
+        return f"int4 codes: tier {tier} reads row-major ones, so convert with `quantize --bits 4 --layout {ROWMAJOR}`"
+    return None
 
 
 def _ways_out(weights: Any, source: str, context: int, c_safe_option: bool) -> str:

@@ -10,6 +10,7 @@ end, so an interrupted run leaves nothing at OUT (and nothing with a config.json
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from vismmoe_edge.quant.quantize import cat_rows
 from vismmoe_edge.quant.record import ExpertSpec, encode_expert
 from vismmoe_edge.quant.shards import Entry, ShardWriter, parse_size, plan_shards
 from vismmoe_edge.quant.source import SourceCheckpoint
+from vismmoe_edge.units import format_bytes
 
 DEFAULT_MAX_SHARD = "4GB"
 _WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.gguf|\.h5|\.msgpack|\.index\.json)$")
@@ -250,10 +252,24 @@ def _write(tmp: Path, units: list[Unit], max_shard_bytes: int, progress: bool) -
     """Shards and index into `tmp`, one unit in memory at a time."""
     shards = [[units[i] for i in group] for group in plan_shards([u.nbytes for u in units], max_shard_bytes)]
     total = sum(u.nbytes for u in units)
+    free = shutil.disk_usage(tmp).free
+    if free < total:  # refused before an hour of converting ends in ENOSPC
+        raise VismmoeError(
+            f"the output needs {format_bytes(total)} and {tmp.parent} has {format_bytes(free)} free: free space "
+            "there or write the output elsewhere"
+        )
     weight_map: dict[str, str] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="quantizing", disable=not progress) as bar:
         for name, shard in zip(_shard_names(len(shards)), shards, strict=True):
-            _write_shard(tmp / name, shard, bar)
+            try:
+                _write_shard(tmp / name, shard, bar)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise VismmoeError(
+                    f"{tmp.parent} filled up while writing {name} ({format_bytes(total)} in all): free space there "
+                    "or write the output elsewhere"
+                ) from e
             weight_map.update(dict.fromkeys((e.name for u in shard for e in u.entries), name))
     _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 

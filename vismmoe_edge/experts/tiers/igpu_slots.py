@@ -11,7 +11,10 @@ reading host memory over the bus (slow; it is how this path is tested off a Jets
 
 The slots keep each part as the checkpoint stores it, so every layout fills with plain reads: the hub layout's
 transposed parts are stored transposed and exposed as transposed views (`[slots, H, 2I]` viewed as
-`[slots, 2I, H]`); per-expert gate and up parts fill the two halves of the gate_up slot.
+`[slots, 2I, H]`); per-expert gate and up parts fill the two halves of the gate_up slot. A quantized checkpoint's
+slots are its records (`[slots, record bytes]` uint8, as quant_slots.py lays them out), read whole into the slot:
+its int4 codes must already be in the layout the device's kernels read (CUDA: row-major nibbles for the Triton
+GEMV, `quantize --layout rowmajor`; CPU: this CPU's tiles), since nothing rewrites a slot after its read.
 
 Slot reuse is ordered by the GPU: compute records the slot's `freed` event after its last kernel that reads the
 slot, and the CPU waits on that event before it reads a new expert into the slot (the CPU must not write memory
@@ -34,6 +37,9 @@ from vismmoe_edge.experts.tiers.slot_fill import FillStats, Read, Reader, SlotFi
 from vismmoe_edge.experts.tiers.slots import pin_after_cache
 from vismmoe_edge.hardware import cudart
 from vismmoe_edge.hardware.gpu_access import SLOTS_TIER
+from vismmoe_edge.quant.kernels import QuantizedExpert
+from vismmoe_edge.quant.packing import ROWMAJOR
+from vismmoe_edge.quant.slot_form import SlotForm
 
 ExpertKey = tuple[int, int]
 
@@ -61,7 +67,8 @@ class UnifiedSlotTier(TierDefaults):
         reader: Reader = default_reader,
     ) -> None:
         catalogue = store.catalogue
-        if catalogue.dtype != DTYPE_NAMES[store.dtype]:
+        self.form = record_form(store) if catalogue.quant is not None else None
+        if self.form is None and catalogue.dtype != DTYPE_NAMES[store.dtype]:
             raise VismmoeError(
                 f"--tier {self.name} reads expert bytes straight into the slots the kernels use, so the compute "
                 f"dtype must be the checkpoint's ({catalogue.dtype}); pass --dtype auto or use --tier gpu"
@@ -75,26 +82,19 @@ class UnifiedSlotTier(TierDefaults):
         self.capacity = slots  # slots [0, capacity) cache streamed experts; [capacity, +pinned) hold the prefix
         loc = next(iter(catalogue.experts.values()))
         self._kinds = tuple(p.kind for p in loc.parts)
-        gu_shape, gu_transposed = _gate_up_layout(loc.parts)
-        down = next(p for p in loc.parts if p.kind == "down")
-        itemsize = store.dtype.itemsize
-        self.gate_up_bytes = gu_shape[0] * gu_shape[1] * itemsize
-        self.down_bytes = down.nbytes
-        self.slot_bytes = self.gate_up_bytes + self.down_bytes
         total = slots + pinned
         index = 0
         if self.on_gpu:
             index = store.device.index if store.device.index is not None else torch.cuda.current_device()
-        self.memory = HostMemory(total * self.slot_bytes, runtime=runtime, device_index=index)
         device = torch.device("cuda", index) if self.on_gpu else torch.device("cpu")
-        self._gate_up_base = self.memory.address
-        self._down_base = self.memory.address + total * self.gate_up_bytes
-        gu = self.memory.view(0, total * self.gate_up_bytes, device).view(store.dtype).view(total, *gu_shape)
-        dn = self.memory.view(total * self.gate_up_bytes, total * self.down_bytes, device)
-        dn = dn.view(store.dtype).view(total, *down.shape)
-        # compute wants nn.Linear orientation, [slots, 2I, H] and [slots, H, I]: transposed parts become views
-        self.gate_up = gu.transpose(1, 2) if gu_transposed else gu
-        self.down = dn.transpose(1, 2) if down.transposed else dn
+        if self.form is not None:
+            self.gate_up_bytes, self.down_bytes = catalogue.quant.nbytes, 0  # one record fills the whole slot
+            self.slot_bytes = self.gate_up_bytes
+            self.memory = HostMemory(total * self.slot_bytes, runtime=runtime, device_index=index)
+            self._gate_up_base = self._down_base = self.memory.address
+            self.records = self.memory.view(0, total * self.slot_bytes, device).view(total, self.slot_bytes)
+        else:
+            self._allocate_weights(loc.parts, total, runtime, index, device)
         self.pool = self  # every resident expert is in these two tensors: compute gathers by slot
         self.pinned_slot: dict[ExpertKey, int] = {}
         self.filler = SlotFiller(direct=direct, reader=reader)
@@ -104,11 +104,38 @@ class UnifiedSlotTier(TierDefaults):
             self.events = [torch.cuda.Event() for _ in range(total)]  # unused by fills: the CPU writes the slots
             self.freed = [torch.cuda.Event() for _ in range(total)]  # compute's last kernel reading the slot
 
+    def _allocate_weights(
+        self,
+        parts: tuple[ExpertPart, ...],
+        total: int,
+        runtime: cudart.Runtime | None,
+        index: int,
+        device: torch.device,
+    ) -> None:
+        """`[total, 2I, H]` and `[total, H, I]` weights over one pinned allocation, each part as stored."""
+        gu_shape, gu_transposed = _gate_up_layout(parts)
+        down = next(p for p in parts if p.kind == "down")
+        dtype = self.store.dtype
+        self.gate_up_bytes = gu_shape[0] * gu_shape[1] * dtype.itemsize
+        self.down_bytes = down.nbytes
+        self.slot_bytes = self.gate_up_bytes + self.down_bytes
+        self.memory = HostMemory(total * self.slot_bytes, runtime=runtime, device_index=index)
+        self._gate_up_base = self.memory.address
+        self._down_base = self.memory.address + total * self.gate_up_bytes
+        gu = self.memory.view(0, total * self.gate_up_bytes, device).view(dtype).view(total, *gu_shape)
+        dn = self.memory.view(total * self.gate_up_bytes, total * self.down_bytes, device)
+        dn = dn.view(dtype).view(total, *down.shape)
+        # compute wants nn.Linear orientation, [slots, 2I, H] and [slots, H, I]: transposed parts become views
+        self.gate_up = gu.transpose(1, 2) if gu_transposed else gu
+        self.down = dn.transpose(1, 2) if down.transposed else dn
+
     def read_bytes(self, key: ExpertKey) -> int:
         return self.slot_bytes
 
     def slot_ranges(self, slot: int) -> list[tuple[int, int]]:
         """(address, length) of the slot's bytes in host memory (tests check every write lands here)."""
+        if self.form is not None:
+            return [(self._gate_up_base + slot * self.slot_bytes, self.slot_bytes)]
         return [
             (self._gate_up_base + slot * self.gate_up_bytes, self.gate_up_bytes),
             (self._down_base + slot * self.down_bytes, self.down_bytes),
@@ -119,6 +146,9 @@ class UnifiedSlotTier(TierDefaults):
         parts = self.store.catalogue.expert(*key).parts
         if tuple(p.kind for p in parts) != self._kinds:
             raise VismmoeError(f"expert {key} is stored as {[p.kind for p in parts]}, unlike the first expert")
+        if self.form is not None:  # one record: its bytes are the slot's
+            (part,) = parts
+            return [Read(part.shard, part.offset, part.nbytes, self._gate_up_base + slot * self.slot_bytes)]
         out, gate_up_at = [], self._gate_up_base + slot * self.gate_up_bytes
         for part in parts:
             if part.kind == "down":
@@ -137,7 +167,9 @@ class UnifiedSlotTier(TierDefaults):
             self.fill_stats.add(stats)
         return self.weights(slot)
 
-    def weights(self, slot: int) -> ExpertWeights:
+    def weights(self, slot: int) -> ExpertWeights | QuantizedExpert:
+        if self.form is not None:
+            return self.form.views(self.records[slot])
         return ExpertWeights(gate_up=self.gate_up[slot], down=self.down[slot])
 
     def pin(self, keys: list[ExpertKey]) -> tuple[dict[ExpertKey, ExpertWeights], None]:
@@ -162,6 +194,23 @@ class UnifiedSlotTier(TierDefaults):
 
     def close(self) -> None:
         self.filler.close()
+
+
+def record_form(store: ExpertStore) -> SlotForm:
+    """The form of a quantized checkpoint's records in these slots: the codes as the file stores them, which must
+    be what the device's kernels read (row-major nibbles, for the Triton GEMV, on CUDA; this CPU's tiles on the CPU),
+    since a slot is only ever written by its read."""
+    spec = store.catalogue.quant
+    on_gpu = store.device.type == "cuda"
+    form = SlotForm.for_device(spec, store.device, triton=on_gpu and spec.quant.layout == ROWMAJOR)
+    if form.rebuilds:
+        want = ROWMAJOR if on_gpu else "auto"
+        raise VismmoeError(
+            f"--tier {SLOTS_TIER} reads each expert's record straight into the slot its kernels read, and this "
+            f"file's int4 codes are in layout {spec.quant.layout}, which the {store.device.type} kernels do not "
+            f"read: convert with `vismmoe-edge quantize SRC OUT --bits 4 --layout {want}`, or use --tier gpu"
+        )
+    return form
 
 
 def make(store: ExpertStore, slots: int, *, pinned: int = 0, mirror: object = None) -> UnifiedSlotTier:
