@@ -74,6 +74,33 @@ def test_second_question_reuses_the_prefill_with_transformers_tokens(
     check_reuse(engine, question_refs, QUESTIONS, images[0])
 
 
+def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
+    checkpoints: dict[str, Path], images: list[Path], question_refs: dict
+) -> None:
+    """suffix_graph.py: with every MoE layer pinned, the second question's suffix runs over static buffers padded
+    to 8 tokens (on CUDA captured once and replayed; here the same steps eagerly). Its tokens are transformers',
+    its prefill logits those of the unpadded prefill, and its hits too: padding rows count none."""
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.suffix_graph import SuffixGraphs
+
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False)
+    check_reuse(engine, question_refs, QUESTIONS, images[0])
+    assert graphs.replays == 1  # the second question; cold runs reuse nothing
+    logits, hits = {}, {}
+    for padded in (True, False):
+        graphs.enabled = padded
+        engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+        engine.prefill(engine.encode(QUESTIONS["first"][0], [images[0]]))
+        second = engine.encode(QUESTIONS["second"][0], [images[0]])  # keyed by the cache's frames
+        before = engine.experts.pipeline.stats.hits
+        logits[padded], _ = engine.prefill(second)
+        hits[padded] = engine.experts.pipeline.stats.hits - before
+    engine.prefix_cache = None
+    assert graphs.replays == 2 and hits[True] == hits[False] > 0
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+
 def test_second_question_on_the_demo_model_matches_transformers(images: list[Path]) -> None:
     """The shipped demo model (float32 on both sides), budget below 100%."""
     from transformers import Qwen3VLMoeForConditionalGeneration

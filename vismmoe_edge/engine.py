@@ -32,13 +32,14 @@ from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
 from vismmoe_edge.models.ops import PrefillOps, visual_features
-from vismmoe_edge.prefix_cache import PrefixCache
+from vismmoe_edge.prefix_cache import PrefixCache, restore_prefix
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
 from vismmoe_edge.prompt import PromptInputs, encode_messages, encode_prompt, load_image
 from vismmoe_edge.results import GenerationResult, Timings
 from vismmoe_edge.sampling import Sampler, SamplingConfig
 from vismmoe_edge.static_decode import StaticDecoder, capacity_for, compiles_layers, reads_host_in_place
 from vismmoe_edge.step_context import StepContext
+from vismmoe_edge.suffix_graph import SuffixGraphs
 from vismmoe_edge.telemetry import TraceRecorder
 from vismmoe_edge.trace import TraceWriter, load_trace
 from vismmoe_edge.video import Clip
@@ -111,6 +112,7 @@ class Engine:
         # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
         self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
         self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
+        self.suffix_graphs = SuffixGraphs(self)
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
 
@@ -239,7 +241,7 @@ class Engine:
             note = "not applied: video tokens are not compressed"
             self.last_compression = CompressionReport(method=self.compression.method, note=note)
         self.interest_rows = self.visual_summary = None
-        saliency = None
+        saliency, suffix_visual = None, 0
         if inputs.has_images or video:
             start = time.perf_counter()
             grid = inputs.image_grid_thw.to(self.device) if inputs.has_images else None
@@ -264,6 +266,7 @@ class Engine:
                     f"prompt has {int(full_mask.sum())} visual tokens, images and videos give {image_embeds.shape[0]}"
                 )
             before = int(full_mask[:, :reused].sum())  # visual tokens whose KV the cache gave
+            suffix_visual = image_embeds.shape[0] - before
             deepstack = [features[before:] for features in visual.deepstack]
             visual_mask = full_mask[:, reused:]
             hidden = hidden.masked_scatter(visual_mask.unsqueeze(-1), image_embeds[before:])
@@ -278,8 +281,7 @@ class Engine:
 
         cache = DynamicCache(config=self.text_config)
         if entry is not None:
-            for i in range(len(lm.layers)):
-                cache.update(entry.keys[i][:, :, :reused], entry.values[i][:, :, :reused], i)
+            restore_prefix(cache, entry.keys, entry.values, reused)
         cos_sin = self.ops.rotary(lm, hidden, positions)
         mask = create_causal_mask(
             config=self.text_config,
@@ -288,6 +290,10 @@ class Engine:
             cache=cache,
         )
         cut_at = self._cut_layer() if compress else -1
+        # the suffix after a reused prefix, replayed from a CUDA graph where it can be (suffix_graph.py)
+        from_graph = self.suffix_graphs.prefill(hidden, positions, cache, reused, suffix_visual) if entry else None
+        if from_graph is not None:
+            (hidden, cache), timings.suffix_graph_tokens = from_graph, hidden.shape[1]
         if cut_at >= len(lm.layers):
             note = "every MoE layer is pinned: no layer after the prefix is left to run on fewer tokens"
             self.last_compression = CompressionReport(method=self.compression.method, note=note)
@@ -302,7 +308,7 @@ class Engine:
 
             self.experts.route_hooks.append(route_hook)
         try:
-            for i, layer in enumerate(lm.layers):
+            for i, layer in enumerate(lm.layers if from_graph is None else []):
                 if i == cut_at:
                     start = time.perf_counter()
                     done = cut_visual_tokens(
@@ -462,9 +468,8 @@ class Engine:
 
     def replay_routing(self, path: str | Path, *, start_token: int = 0) -> TraceReplay:
         """Take routed expert ids from a trace file instead of the router (benchmarks on synthetic weights)."""
-        replay = TraceReplay(
-            load_trace(path), self.catalogue.moe_layers, self.catalogue.num_experts, start_token=start_token
-        )
+        catalogue = self.catalogue
+        replay = TraceReplay(load_trace(path), catalogue.moe_layers, catalogue.num_experts, start_token=start_token)
         self.experts.replay = replay
         self.observers.insert(0, replay)
         return replay
@@ -586,12 +591,6 @@ class Engine:
             reason = "max_new_tokens"
         else:
             reason = "cancelled"
-        return GenerationResult(
-            prompt_token_ids=inputs.input_ids[0].tolist(),
-            token_ids=tokens,
-            text=text.text,
-            stop_reason=reason,
-            timings=timings,
-            experts=self.experts.pipeline.stats.as_dict(),
-            compression=self.last_compression,
-        )
+        return GenerationResult(prompt_token_ids=inputs.input_ids[0].tolist(), token_ids=tokens, text=text.text,
+                                stop_reason=reason, timings=timings, experts=self.experts.pipeline.stats.as_dict(),
+                                compression=self.last_compression)  # fmt: skip

@@ -24,10 +24,13 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (a chat template's opening) is not worth a lookup or an entry
 MAX_FRAMES = 1024  # encoded images remembered (seen_frames.py): ~0.2 KB each, outside the byte bound
@@ -56,6 +59,22 @@ class CachedPrefix:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)) + self.content.numel() * 8
+
+
+def restore_prefix(
+    cache: DynamicCache, keys_per_layer: Sequence[torch.Tensor], values_per_layer: Sequence[torch.Tensor], reused: int
+) -> None:
+    """The first `reused` positions of each layer's stored KV as that layer's cache, as views: no copy. A layer's
+    next update concatenates into a new tensor and stored KV is never written in place, so what is stored stays
+    as it was; `match` leaves at least one position to prefill, so every layer is updated before it is read."""
+    for i in range(len(keys_per_layer)):
+        keys, values = keys_per_layer[i][:, :, :reused], values_per_layer[i][:, :, :reused]
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:  # another layer kind (sliding window, ...), or a cache built without a config: its own update
+            cache.update(keys, values, i)
 
 
 @dataclass

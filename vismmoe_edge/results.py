@@ -17,6 +17,7 @@ class Timings:
     decode_tokens: int = 0
     prefix_reused_tokens: int = 0  # prompt positions whose KV came from the prefix cache (not prefilled)
     vision_cached_images: int = 0  # images whose vision-tower output came from the prefix cache
+    suffix_graph_tokens: int = 0  # tokens after the reused prefix prefilled by a CUDA graph's replay (suffix_graph.py)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -32,6 +33,7 @@ class Timings:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "prefix_reused_tokens": self.prefix_reused_tokens,
             "vision_cached_images": self.vision_cached_images,
+            "suffix_graph_tokens": self.suffix_graph_tokens,
         }
 
 

@@ -42,6 +42,7 @@ class ExpertRuntime:
     predict_seconds: float = 0.0  # predictor time on compute's critical path
     lock_report: object | None = None  # unified memory: what of the pinned prefix mlock could hold
     predictor_worker: Any = None  # a PredictorWorker: the predictor runs beside compute instead
+    counted_rows: torch.Tensor | None = None  # [T] bool: rows that count hits (a captured suffix's padding does not)
 
 
 class OffloadedExperts(nn.Module):
@@ -134,7 +135,7 @@ class OffloadedExperts(nn.Module):
         for hook in rt.route_hooks:
             hook(self.layer, x, index, weights)
         start = time.perf_counter()
-        pipeline.begin_pinned_layer(self.layer, index, self.num_experts)
+        pipeline.begin_pinned_layer(self.layer, index, self.num_experts, rt.counted_rows)
         slots = (index + first).to(pipeline.tier.pool.device)
         out = self.pool_compute(x, slots, weights, run=(first, self.num_experts))
         pipeline.record_compute(time.perf_counter() - start)

@@ -98,16 +98,8 @@ class PipelineStats:
 class ExpertPipeline:
     """Serves expert weights to compute from `capacity` slots of a tier, plus an always-resident pinned region."""
 
-    def __init__(
-        self,
-        tier: Tier,
-        *,
-        capacity: int,
-        pinned: dict[ExpertKey, ExpertWeights] | None = None,
-        speculative_cap_bytes: int = 0,
-        io_workers: int = 1,
-        policy: str = "lru",
-    ) -> None:
+    def __init__(self, tier: Tier, *, capacity: int, pinned: dict[ExpertKey, ExpertWeights] | None = None,
+                 speculative_cap_bytes: int = 0, io_workers: int = 1, policy: str = "lru") -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         if capacity < 1:
@@ -138,7 +130,7 @@ class ExpertPipeline:
         self._misses: set[int] = set()  # experts of the current layer that were demand misses
         self._closed = False
         self.residency_version = 0  # bumped whenever an expert enters or leaves a slot (experts/table.py syncs on it)
-        self._uncounted: list[tuple[LayerStats, torch.Tensor]] = []  # pinned layers' hits, counted on the device
+        self.pending_hits: list[tuple[LayerStats, torch.Tensor]] = []  # pinned layers' hits, counted on the device
         self._update_resident()
         self._workers = [
             threading.Thread(target=self._io_loop, name=f"vismmoe-io-{i}", daemon=True) for i in range(io_workers)
@@ -192,23 +184,39 @@ class ExpertPipeline:
                 self._lock.notify_all()
         return ready + waiting
 
-    def begin_pinned_layer(self, layer: int, experts: torch.Tensor, num_experts: int) -> None:
-        """A layer whose experts are all pinned, routed to `experts` (any shape, on the device): its hits, one per
+    def begin_pinned_layer(
+        self, layer: int, experts: torch.Tensor, num_experts: int, counted_rows: torch.Tensor | None = None
+    ) -> None:
+        """A layer whose experts are all pinned, routed to `experts` [T, k] (on the device): its hits, one per
         distinct expert as `acquire` counts them, are counted on the device and read by `count_pinned_hits`, so
-        the layer needs no host synchronisation (OffloadedExperts.pinned_forward)."""
-        self.layer_log.append(LayerStats(layer))
+        the layer needs no host synchronisation (OffloadedExperts.pinned_forward). Rows that `counted_rows` [T]
+        (bool) leaves out, padding, count as the first row, which counts anyway."""
+        if counted_rows is not None:
+            experts = torch.where(counted_rows[:, None], experts, experts[:1])
         seen = torch.zeros(num_experts, dtype=torch.bool, device=experts.device)
-        self._uncounted.append((self.layer_log[-1], seen.index_fill_(0, experts.reshape(-1), True).sum()))
+        self.log_pinned_layer(layer, seen.index_fill_(0, experts.reshape(-1), True).sum())
+
+    def log_pinned_layer(self, layer: int, hits: torch.Tensor) -> None:
+        """A pinned layer's entry in the layer log, its hits a device count that `count_pinned_hits` reads."""
+        self.layer_log.append(LayerStats(layer))
+        self.pending_hits.append((self.layer_log[-1], hits))
+
+    def unlog_pinned_layers(self, since: int) -> list[tuple[int, torch.Tensor]]:
+        """Take back the pinned layers logged after the first `since` of `pending_hits`, as (layer, hits): a
+        captured run logs once, each replay of it again (suffix_graph.py)."""
+        taken, self.pending_hits = self.pending_hits[since:], self.pending_hits[:since]
+        del self.layer_log[len(self.layer_log) - len(taken) :]
+        return [(stats.layer, hits) for stats, hits in taken]
 
     def count_pinned_hits(self) -> None:
         """Add the pinned layers' hits counted on the device since the last call: one synchronisation for all."""
-        if not self._uncounted:
+        if not self.pending_hits:
             return
-        counts = torch.stack([count for _, count in self._uncounted]).tolist()
-        for (stats, _), hits in zip(self._uncounted, counts, strict=True):
+        counts = torch.stack([count for _, count in self.pending_hits]).tolist()
+        for (stats, _), hits in zip(self.pending_hits, counts, strict=True):
             stats.hits += hits
             self.stats.hits += hits
-        self._uncounted = []
+        self.pending_hits = []
 
     def acquire(self, layer: int, expert: int) -> ExpertWeights:
         """The weights of a Required expert; blocks only if it has not arrived yet."""
@@ -402,7 +410,7 @@ class ExpertPipeline:
         with self._lock:
             self.stats = PipelineStats(pinned_bytes=self.stats.pinned_bytes)
             self.layer_log = []
-            self._uncounted = []
+            self.pending_hits = []
             self._update_resident()
 
     def close(self) -> None:

@@ -1,0 +1,197 @@
+"""A short prompt part after a reused prefix (the next question about a frame whose KV the prefix cache holds),
+prefilled by replaying a CUDA graph instead of launching each layer's ~110 kernels from Python.
+
+Such a prefill is bound by the host on a large GPU: on the H200 (docs/benchmarks.md, run 8) 20 tokens after 1,094
+reused took 0.105 s, more than a cold prefill of all 1,114 (0.093 s), since both launch the same kernels a layer
+and the GPU waits for them. One graph is kept per (reused positions, padded length). The suffix is padded to a
+power of two of at least 8 tokens with zero rows after the real ones: the causal mask keeps them out of every
+real token's attention, their KV is cut off after the replay, and their experts count no hits
+(ExpertRuntime.counted_rows). Before a replay the suffix's embeddings, its rotary angles and each layer's reused KV
+are copied into the graph's input buffers; after it, the last hidden state and each layer's KV are copied out, so
+nothing outside this module keeps graph memory.
+
+It applies (`SuffixGraphs.prefill`) where every step inside the layers is a device op with no host
+synchronisation: CUDA with graphs on, every MoE layer pinned in the slot pool (OffloadedExperts.pinned_forward),
+no predictor, route hook or replayed trace, no visual token in the suffix, at most MAX_TOKENS tokens. Anything
+else, or a capture that fails, prefills eagerly (a failed capture turns this off for the engine).
+`VISMMOE_SUFFIX_GRAPHS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from vismmoe_edge.experts.compute import OffloadedExperts
+from vismmoe_edge.prefix_cache import restore_prefix
+from vismmoe_edge.static_decode import capture_stream
+
+MAX_TOKENS = 64  # a longer suffix is less bound by the host, and each length would need its own graph
+MIN_PADDED = 8
+MAX_GRAPHS = 2  # each holds its KV outputs and activations (~0.35 GB at 30B-A3B with a 1,100-token prefix)
+
+
+def padded_length(tokens: int) -> int:
+    return max(MIN_PADDED, 1 << (tokens - 1).bit_length())
+
+
+@dataclass
+class SuffixGraph:
+    """One captured suffix prefill: input buffers, the graph, and the outputs it writes on each replay."""
+
+    reused: int
+    hidden: torch.Tensor  # [1, P, H] in: the suffix's embeddings, zero rows after it
+    cos: torch.Tensor  # in: rotary angles of the padded positions
+    sin: torch.Tensor
+    counted: torch.Tensor  # [P] bool in: the rows that are real tokens
+    prefix_keys: list[torch.Tensor]  # in, per layer [1, heads, reused, dim]
+    prefix_values: list[torch.Tensor]
+    mask: torch.Tensor | None  # the padded causal mask (a constant of the graph)
+    graph: torch.cuda.CUDAGraph | None = None  # None: run eagerly (tests on the CPU)
+    out: torch.Tensor | None = None  # [1, P, H] out
+    keys: list[torch.Tensor] | None = None  # out, per layer [1, heads, reused + P, dim]
+    values: list[torch.Tensor] | None = None
+    hit_counts: list[tuple[int, torch.Tensor]] | None = None  # out: (layer, distinct experts routed) per MoE layer
+
+
+class SuffixGraphs:
+    def __init__(self, engine: Any, *, capture: bool = True) -> None:
+        self.engine = engine
+        self.capture = capture  # False: the same padded steps eagerly (what the CPU tests check)
+        self.enabled = os.environ.get("VISMMOE_SUFFIX_GRAPHS", "1") != "0"
+        self.graphs: OrderedDict[tuple[int, int], SuffixGraph] = OrderedDict()
+        self.replays = 0
+
+    def applies(self, tokens: int, suffix_visual_tokens: int) -> bool:
+        engine = self.engine
+        rt = engine.experts
+        if not self.enabled or (self.capture and (engine.device.type != "cuda" or not engine.cuda_graphs)):
+            return False
+        if not 1 <= tokens <= MAX_TOKENS or suffix_visual_tokens:
+            return False
+        if rt.predictor is not None or rt.predictor_worker is not None or rt.route_hooks or rt.replay is not None:
+            return False
+        moe = [m for m in engine.language_model.modules() if isinstance(m, OffloadedExperts)]
+        return bool(moe) and all(m.pinned_run() is not None for m in moe)
+
+    def prefill(
+        self, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, reused: int, visual_tokens: int
+    ) -> tuple[torch.Tensor, DynamicCache] | None:
+        """hidden [1, T, H] the suffix's embeddings (`visual_tokens` of them an image's), positions [3, 1, T],
+        `cache` the reused prefix's KV. Returns the suffix's last hidden states [1, T, H] and a new cache of the
+        prefix and the suffix; None where this does not apply or the capture failed (the caller prefills
+        eagerly)."""
+        tokens = hidden.shape[1]
+        if not self.applies(tokens, visual_tokens):
+            return None
+        padded = padded_length(tokens)
+        graph = self.graphs.get((reused, padded))
+        if graph is None:
+            graph = self._build(cache, reused, padded, hidden)
+            if graph is None:
+                return None
+        self.graphs.move_to_end((reused, padded))
+        engine, lm = self.engine, self.engine.language_model
+        graph.hidden.zero_()
+        graph.hidden[:, :tokens] = hidden
+        extra = torch.arange(1, padded - tokens + 1, device=positions.device).view(1, 1, -1)
+        cos, sin = engine.ops.rotary(lm, graph.hidden, torch.cat([positions, positions[..., -1:] + extra], dim=-1))
+        graph.cos.copy_(cos)
+        graph.sin.copy_(sin)
+        graph.counted.copy_(torch.arange(padded, device=graph.counted.device) < tokens)
+        for i, layer in enumerate(cache.layers):
+            graph.prefix_keys[i].copy_(layer.keys)
+            graph.prefix_values[i].copy_(layer.values)
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            self._forward(graph, self._prefix_cache(graph))
+        self.replays += 1
+        pipeline = engine.experts.pipeline
+        for layer, hits in graph.hit_counts:  # type: ignore[union-attr]
+            pipeline.log_pinned_layer(layer, hits)  # read with the prefill's other counts
+        out = DynamicCache(config=engine.text_config)
+        for i, (keys, values) in enumerate(zip(graph.keys, graph.values, strict=True)):  # type: ignore[arg-type]
+            out.update(keys[:, :, : reused + tokens], values[:, :, : reused + tokens], i)  # copies out of the graph
+        return graph.out[:, :tokens].clone(), out  # type: ignore[index]
+
+    def _build(self, like: DynamicCache, reused: int, padded: int, suffix: torch.Tensor) -> SuffixGraph | None:
+        engine, lm = self.engine, self.engine.language_model
+        device = suffix.device
+        hidden = suffix.new_zeros(1, padded, suffix.shape[-1])
+        positions = torch.arange(reused, reused + padded, device=device).view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = (t.clone() for t in engine.ops.rotary(lm, hidden, positions))
+        prefix_keys = [layer.keys[:, :, :reused].clone() for layer in like.layers]
+        prefix_values = [layer.values[:, :, :reused].clone() for layer in like.layers]
+        shaped = DynamicCache(config=engine.text_config)
+        restore_prefix(shaped, prefix_keys, prefix_values, reused)
+        mask = create_causal_mask(
+            config=engine.text_config,
+            inputs_embeds=hidden,
+            attention_mask=torch.ones((1, reused + padded), dtype=torch.long, device=device),
+            cache=shaped,
+        )
+        if mask is None:  # an attention without a mask here would let real tokens see the padding
+            self.enabled = False
+            return None
+        counted = torch.ones(padded, dtype=torch.bool, device=device)
+        graph = SuffixGraph(reused, hidden, cos, sin, counted, prefix_keys, prefix_values, mask)
+        if self.capture:
+            try:
+                graph.graph = self._capture(graph)
+            except RuntimeError as e:  # an op that synchronises, or a capture this build refuses
+                self.enabled = False
+                torch.cuda.synchronize(device)
+                warnings.warn(f"CUDA graph capture of a prompt suffix failed ({e}); prefilling eagerly", stacklevel=3)
+                return None
+        self.graphs[(reused, padded)] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def _prefix_cache(self, graph: SuffixGraph) -> DynamicCache:
+        """A cache whose layers start as views of the prefix buffers: made outside a capture (a layer's first use
+        creates an empty tensor from a Python list, which a capture may refuse)."""
+        cache = DynamicCache(config=self.engine.text_config)
+        restore_prefix(cache, graph.prefix_keys, graph.prefix_values, graph.reused)
+        return cache
+
+    def _forward(self, graph: SuffixGraph, cache: DynamicCache) -> None:
+        """The layers over the input buffers; sets the outputs (on a capture: the tensors each replay rewrites)."""
+        engine, lm = self.engine, self.engine.language_model
+        rt, pipeline = engine.experts, engine.experts.pipeline
+        since = len(pipeline.pending_hits)
+        rt.counted_rows = graph.counted
+        angles = (graph.cos, graph.sin)
+        try:
+            hidden = graph.hidden
+            for i, layer in enumerate(lm.layers):
+                hidden = layer(hidden, attention_mask=graph.mask, cache=cache, position_embeddings=angles)
+                hidden = engine.ops.after_layer(lm, i, hidden, None, [])
+        finally:
+            rt.counted_rows = None
+            graph.hit_counts = pipeline.unlog_pinned_layers(since)  # prefill() logs them on each run
+        graph.out = hidden
+        graph.keys = [layer.keys for layer in cache.layers]
+        graph.values = [layer.values for layer in cache.layers]
+
+    def _capture(self, graph: SuffixGraph) -> torch.cuda.CUDAGraph:
+        """Warm up on the capture stream (allocator, library handles), then capture; the caller replays."""
+        device = graph.hidden.device
+        side = capture_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._forward(graph, self._prefix_cache(graph))
+        torch.cuda.current_stream(device).wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        cache = self._prefix_cache(graph)
+        with torch.cuda.graph(cuda_graph, stream=side, capture_error_mode="thread_local"):
+            self._forward(graph, cache)
+        return cuda_graph
