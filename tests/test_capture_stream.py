@@ -33,9 +33,18 @@ def test_only_the_capture_stream_is_high_priority() -> None:
 
 
 def test_every_capture_names_the_capture_stream() -> None:
+    """Every `torch.cuda.graph(...)` passes `stream=side`, and the function around it took `side` from
+    `capture_stream(...)` (the decoder's graphs, and the prompt suffix's: suffix_graph.py)."""
     captures = _calls("torch.cuda.graph")
-    assert captures
+    assert {p.name for p, _ in captures} == {"static_decode.py", "suffix_graph.py"}
     for path, node in captures:
         stream = [k.value for k in node.keywords if k.arg == "stream"]
         assert stream and ast.unparse(stream[0]) == "side", f"{path.name}:{node.lineno} captures on another stream"
-        assert path.name == "static_decode.py"
+        functions = [f for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)]
+        around = next(f for f in functions if f.lineno <= node.lineno <= (f.end_lineno or 0))
+        sources = [
+            ast.unparse(a.value)
+            for a in ast.walk(around)
+            if isinstance(a, ast.Assign) and any(ast.unparse(t) == "side" for t in a.targets)
+        ]
+        assert sources and all(src.startswith("capture_stream(") for src in sources), (path.name, sources)
