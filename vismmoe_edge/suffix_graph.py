@@ -11,8 +11,10 @@ are copied into the graph's input buffers; after it, the last hidden state and e
 nothing outside this module keeps graph memory.
 
 It applies (`SuffixGraphs.prefill`) where every step inside the layers is a device op with no host
-synchronisation: CUDA with graphs on, every MoE layer pinned in the slot pool (OffloadedExperts.pinned_forward),
-no predictor, route hook or replayed trace, no visual token in the suffix, at most MAX_TOKENS tokens. Anything
+synchronisation: CUDA with graphs on, every MoE layer pinned in a slot pool of float experts
+(OffloadedExperts.pinned_forward; a quantized pool's prefill reads its groups' bounds on the host, and so does
+a GPU without torch's grouped GEMM, such as an Orin's sm_87), no predictor,
+route hook or replayed trace, no visual token in the suffix, at most MAX_TOKENS tokens. Anything
 else, or a capture that fails, prefills eagerly (a failed capture turns this off for the engine).
 `VISMMOE_SUFFIX_GRAPHS=0` turns it off.
 """
@@ -30,6 +32,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.experts.compute import OffloadedExperts
+from vismmoe_edge.experts.pool_compute import grouped_mm_works
 from vismmoe_edge.prefix_cache import restore_prefix
 from vismmoe_edge.static_decode import capture_stream
 
@@ -77,6 +80,11 @@ class SuffixGraphs:
         if not 1 <= tokens <= MAX_TOKENS or suffix_visual_tokens:
             return False
         if rt.predictor is not None or rt.predictor_worker is not None or rt.route_hooks or rt.replay is not None:
+            return False
+        pool = rt.pipeline.tier.pool
+        if pool is None or pool.form is not None:  # quantized records: their prefill reads group bounds on the host
+            return False
+        if not grouped_mm_works(pool.gate_up.dtype, pool.gate_up.device):  # the per-slot path reads them too
             return False
         moe = [m for m in engine.language_model.modules() if isinstance(m, OffloadedExperts)]
         return bool(moe) and all(m.pinned_run() is not None for m in moe)
