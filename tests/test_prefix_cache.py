@@ -101,6 +101,25 @@ def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
+def test_the_suffix_graph_applies_only_where_nothing_needs_the_host(checkpoints: dict[str, Path]) -> None:
+    """Where a capture would fail or the padding could change what the engine sees, the suffix prefills eagerly:
+    on the CPU (no CUDA graphs), with a route hook, a visual token in the suffix, more than 64 tokens, or a layer
+    whose experts are not all pinned."""
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.suffix_graph import MAX_TOKENS, SuffixGraphs, padded_length
+
+    assert [padded_length(n) for n in (1, 8, 9, 20, 33, 64)] == [8, 8, 16, 32, 64, 64]
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    assert not SuffixGraphs(engine).applies(20, 0)  # capturing needs CUDA
+    graphs = SuffixGraphs(engine, capture=False)
+    assert graphs.applies(20, 0) and graphs.applies(MAX_TOKENS, 0)
+    assert not graphs.applies(MAX_TOKENS + 1, 0) and not graphs.applies(20, 1)
+    engine.experts.route_hooks.append(lambda *args: None)
+    assert not graphs.applies(20, 0)
+    partial = load(checkpoints["v5"], memory_budget="30%", pinned_layers=2, device="cpu")
+    assert not SuffixGraphs(partial, capture=False).applies(20, 0)
+
+
 def test_second_question_on_the_demo_model_matches_transformers(images: list[Path]) -> None:
     """The shipped demo model (float32 on both sides), budget below 100%."""
     from transformers import Qwen3VLMoeForConditionalGeneration
