@@ -10,13 +10,12 @@ real token's attention, their KV is cut off after the replay, and their experts 
 are copied into the graph's input buffers; after it, the last hidden state and each layer's KV are copied out, so
 nothing outside this module keeps graph memory.
 
-It applies (`SuffixGraphs.prefill`) where every step inside the layers is a device op with no host
+It applies (`SuffixGraphs.applies`) where every step inside the layers is a device op with no host
 synchronisation: CUDA with graphs on, every MoE layer pinned in a slot pool of float experts
-(OffloadedExperts.pinned_forward; a quantized pool's prefill reads its groups' bounds on the host, and so does
-a GPU without torch's grouped GEMM, such as an Orin's sm_87), no predictor,
-route hook or replayed trace, no visual token in the suffix, at most MAX_TOKENS tokens. Anything
-else, or a capture that fails, prefills eagerly (a failed capture turns this off for the engine).
-`VISMMOE_SUFFIX_GRAPHS=0` turns it off.
+(OffloadedExperts.pinned_forward; a quantized pool's prefill reads its groups' bounds on the host, and so does a
+GPU without torch's grouped GEMM, such as an Orin's sm_87), no predictor, route hook or replayed trace, no visual
+token in the suffix, at most MAX_TOKENS tokens. Anything else, or a capture that fails, prefills eagerly (a failed
+capture turns this off for the engine). `VISMMOE_SUFFIX_GRAPHS=0` turns it off.
 """
 
 from __future__ import annotations
