@@ -167,3 +167,26 @@ def test_static_cache_decode_matches_transformers(checkpoints, references, layou
     assert engine.uses_static_decode()
     assert_matches(engine, references, static=True, atol=1e-5)
     assert len(engine._decoders) == 1  # one decoder (one capture on CUDA) served every prompt
+
+
+def test_one_decoder_a_mode_grows_to_the_longest_request(checkpoints, references, monkeypatch) -> None:
+    """Prompts needing several KV capacities: the decoder is rebuilt only when a request needs more than it holds
+    and a shorter one reuses it, so the KV held is that of the longest request so far, never one buffer per
+    length (the plan counts the KV once); the tokens stay transformers'."""
+    from vismmoe_edge import static_decode
+
+    monkeypatch.setattr(static_decode, "CAPACITY_STEP", 16)  # the tiny prompts then fall in several capacities
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu", tier="host")
+    engine.static_decode = "on"
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    lengths = {name: ref.inputs.num_tokens for name, ref in references.items()}
+    assert len({static_decode.capacity_for(n + NEW_TOKENS + 1) for n in lengths.values()}) == 3
+    held, decoders = 0, []
+    for name in ("text", "one_image", "text", "two_images", "one_image"):
+        result = engine.generate_from_inputs(references[name].inputs, sampling)
+        assert result.token_ids == references[name].tokens, name
+        (decoder,) = engine._decoders.values()
+        held = max(held, static_decode.capacity_for(lengths[name] + NEW_TOKENS + 1))
+        assert decoder.cache.capacity == held, name
+        decoders.append(decoder)
+    assert decoders[2] is decoders[1] and decoders[4] is decoders[3] and decoders[1] is not decoders[0]

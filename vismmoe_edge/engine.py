@@ -111,7 +111,7 @@ class Engine:
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
         self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
-        self._decoders: dict[tuple[int, int, bool, bool, bool], StaticDecoder] = {}
+        self._decoders: dict[tuple[int, bool, bool, bool], StaticDecoder] = {}  # (top-k, device, mapped, fused)
         self.suffix_graphs = SuffixGraphs(self)
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -377,7 +377,8 @@ class Engine:
         return self.device.type == "cuda" and (resident or in_place)
 
     def start_decode(self, state: DecodeState, max_new_tokens: int) -> None:
-        """Hand the prefill's cache to the preallocated-cache decoder (one per capacity, graphs captured once)."""
+        """Hand the prefill's cache to the preallocated-cache decoder: one a mode, at the largest KV capacity asked so
+        far, serving every shorter request too, so its KV stays within the plan's (the longest context)."""
         if not self.uses_static_decode():
             return
         replay = self.experts.replay
@@ -386,11 +387,14 @@ class Engine:
         on_device = self.uses_device_decode()
         mapped = on_device and reads_host_in_place(self.device_decode_mapped, self)
         fused = on_device and compiles_layers(self.compile_decode, self.device)
-        key = (capacity, routed_k, on_device, mapped, fused)
-        decoder = self._decoders.get(key)
-        if decoder is None:
+        mode = (routed_k, on_device, mapped, fused)
+        decoder = self._decoders.get(mode)
+        if decoder is None or decoder.cache.capacity < capacity:
+            if (old := self._decoders.pop(mode, None)) is not None and old.on_device:
+                old.settle()  # a token launched ahead may still read its buffers
+            old = decoder = None  # its buffers and graphs are freed before the new ones are allocated
             graphs = self.cuda_graphs and self.device.type == "cuda"
-            decoder = self._decoders[key] = StaticDecoder(
+            decoder = self._decoders[mode] = StaticDecoder(
                 self, state.cache, capacity, routed_k, graphs=graphs, on_device=on_device, mapped=mapped, fused=fused
             )
         decoder.start(state.cache)
