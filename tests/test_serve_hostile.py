@@ -236,7 +236,9 @@ def test_slow_clients_cannot_take_every_connection_and_health_answers(capped: Se
     assert_error(status, payload, 503, "too_many_connections")
     assert "from this client" in payload["error"]["message"]
     body = json.dumps({"messages": user("hi"), "max_tokens": 2}).encode()
-    others = [socket_from(capped, "127.0.0.2") for _ in range(2)]  # the total cap (6) is now reached
+    # the total cap (6) is now reached; counted_socket waits until the server has released the connection it just
+    # refused (released a moment after the client reads the 503): one opened at once could find it still counted
+    others = [counted_socket(capped, "127.0.0.2") for _ in range(2)]
     status, payload = ask(others.pop(), post_head(str(len(body))), body)
     assert status == 200, payload
     held = counted_socket(capped, "127.0.0.2")  # back at the cap
