@@ -40,6 +40,7 @@ from vismmoe_edge.serve.protocol import (
 )
 from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
 from vismmoe_edge.serve.videos import VideoReader, check_request_media
+from vismmoe_edge.serve.warmup import warm_decoder
 from vismmoe_edge.serve.worker import Job, Worker, use_mmap_for_large_allocations
 
 if TYPE_CHECKING:
@@ -110,6 +111,10 @@ class Service:
         self.engine = load_resolved(checkpoint, self.load_options(), resolved)
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics)
+        sdnotify.status("compiling the decoder")
+        longest = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if (seconds := warm_decoder(self.engine, longest)) is not None:
+            log.info("decoder ready for %d positions in %.1f s (serve/warmup.py)", longest, seconds)
         self.estimate_tokens = visual_token_estimator(self.engine.processor)
         self.video_processor = video_processor_for(self.engine.processor, self.limits.video_max_pixels)
         text_config = self.engine.text_config
