@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
-import transformers
 
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.transformers_version import check_transformers
@@ -26,7 +27,9 @@ def test_load_and_doctor_say_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import vismmoe_edge
     from vismmoe_edge.hardware.doctor import check_transformers as doctor_check
 
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    # the module as imported now: `from transformers import <a model class>` replaces transformers' lazy module in
+    # sys.modules, so a module object taken at this file's import may no longer be the one the code reads
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "4.57.1")
     with pytest.raises(VismmoeError, match="transformers 4.57.1 is installed"):
         vismmoe_edge.load()  # the demo model: refused before anything is read
     check = doctor_check()

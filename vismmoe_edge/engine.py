@@ -282,18 +282,16 @@ class Engine:
         cache = DynamicCache(config=self.text_config)
         if entry is not None:
             restore_prefix(cache, entry.keys, entry.values, reused)
-        cos_sin = self.ops.rotary(lm, hidden, positions)
-        mask = create_causal_mask(
-            config=self.text_config,
-            inputs_embeds=hidden,
-            attention_mask=torch.ones(input_ids.shape, dtype=torch.long, device=self.device),
-            cache=cache,
-        )
-        cut_at = self._cut_layer() if compress else -1
         # the suffix after a reused prefix, replayed from a CUDA graph where it can be (suffix_graph.py)
         from_graph = self.suffix_graphs.prefill(hidden, positions, cache, reused, suffix_visual) if entry else None
+        cos_sin, mask = None, None  # the layers' rotary angles and mask, where they run below
         if from_graph is not None:
             (hidden, cache), timings.suffix_graph_tokens = from_graph, hidden.shape[1]
+        else:
+            cos_sin = self.ops.rotary(lm, hidden, positions)
+            ones = torch.ones(input_ids.shape, dtype=torch.long, device=self.device)
+            mask = create_causal_mask(config=self.text_config, inputs_embeds=hidden, attention_mask=ones, cache=cache)
+        cut_at = self._cut_layer() if compress else -1
         if cut_at >= len(lm.layers):
             note = "every MoE layer is pinned: no layer after the prefix is left to run on fewer tokens"
             self.last_compression = CompressionReport(method=self.compression.method, note=note)

@@ -70,6 +70,7 @@ class SuffixGraphs:
         self.enabled = os.environ.get("VISMMOE_SUFFIX_GRAPHS", "1") != "0"
         self.graphs: OrderedDict[tuple[int, int], SuffixGraph] = OrderedDict()
         self.replays = 0
+        self._moe: list[OffloadedExperts] | None = None  # the model's MoE layers, found on first use
 
     def applies(self, tokens: int, suffix_visual_tokens: int) -> bool:
         engine = self.engine
@@ -85,8 +86,9 @@ class SuffixGraphs:
             return False
         if not grouped_mm_works(pool.gate_up.dtype, pool.gate_up.device):  # the per-slot path reads them too
             return False
-        moe = [m for m in engine.language_model.modules() if isinstance(m, OffloadedExperts)]
-        return bool(moe) and all(m.pinned_run() is not None for m in moe)
+        if self._moe is None:
+            self._moe = [m for m in engine.language_model.modules() if isinstance(m, OffloadedExperts)]
+        return bool(self._moe) and all(m.pinned_run() is not None for m in self._moe)
 
     def prefill(
         self, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, reused: int, visual_tokens: int

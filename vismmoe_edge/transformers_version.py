@@ -9,6 +9,7 @@ import re
 from vismmoe_edge.errors import VismmoeError
 
 SUPPORTED = ((5, 20), (6, 0))  # [lowest, first unsupported)
+REQUIREMENT = f"transformers>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}"
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -17,9 +18,7 @@ def check_transformers(version: str | None = None) -> None:
 
         version = transformers.__version__
     numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
-    (lo, hi) = SUPPORTED
-    if not lo <= numbers < hi:
+    if not SUPPORTED[0] <= numbers < SUPPORTED[1]:
         raise VismmoeError(
-            f"transformers {version} is installed; vismmoe-edge needs >={lo[0]}.{lo[1]},<{hi[0]}: "
-            f"pip install 'transformers>={lo[0]}.{lo[1]},<{hi[0]}'"
+            f"transformers {version} is installed; vismmoe-edge needs {REQUIREMENT}: pip install '{REQUIREMENT}'"
         )

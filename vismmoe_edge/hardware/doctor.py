@@ -20,6 +20,7 @@ from types import ModuleType
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.system import GIB, JetsonBoard
+from vismmoe_edge.transformers_version import REQUIREMENT
 from vismmoe_edge.transformers_version import check_transformers as check_version
 
 # Wheels for JetPack 6 (CUDA 12.6): torch and onnxruntime-gpu have no aarch64 CUDA builds on PyPI
@@ -124,7 +125,7 @@ def check_torch(board: JetsonBoard | None) -> Check:
 
 
 def check_transformers() -> Check:
-    fix = "pip install 'transformers>=5.20,<6'"
+    fix = f"pip install '{REQUIREMENT}'"
     try:
         transformers = _import("transformers")
     except Exception as exc:

@@ -134,26 +134,22 @@ class UnifiedSlotTier(TierDefaults):
 
     def slot_ranges(self, slot: int) -> list[tuple[int, int]]:
         """(address, length) of the slot's bytes in host memory (tests check every write lands here)."""
-        if self.form is not None:
-            return [(self._gate_up_base + slot * self.slot_bytes, self.slot_bytes)]
-        return [
+        ranges = [
             (self._gate_up_base + slot * self.gate_up_bytes, self.gate_up_bytes),
             (self._down_base + slot * self.down_bytes, self.down_bytes),
         ]
+        return [r for r in ranges if r[1]]  # a record's slot has no down part
 
     def reads(self, key: ExpertKey, slot: int) -> list[Read]:
         """Each part of the expert and the address in the slot it goes to, as stored."""
         parts = self.store.catalogue.expert(*key).parts
         if tuple(p.kind for p in parts) != self._kinds:
             raise VismmoeError(f"expert {key} is stored as {[p.kind for p in parts]}, unlike the first expert")
-        if self.form is not None:  # one record: its bytes are the slot's
-            (part,) = parts
-            return [Read(part.shard, part.offset, part.nbytes, self._gate_up_base + slot * self.slot_bytes)]
         out, gate_up_at = [], self._gate_up_base + slot * self.gate_up_bytes
         for part in parts:
             if part.kind == "down":
                 out.append(Read(part.shard, part.offset, part.nbytes, self._down_base + slot * self.down_bytes))
-            else:  # gate_up, or gate then up stacked into the gate_up slot
+            else:  # gate_up, or gate then up stacked into the gate_up slot, or a quantized record (its one part)
                 out.append(Read(part.shard, part.offset, part.nbytes, gate_up_at))
                 gate_up_at += part.nbytes
         return out
