@@ -90,3 +90,13 @@ def test_real_size_plan_without_writing() -> None:
     assert 10.0e9 < total < 10.4e9
     shards = msc._pack(specs, 2 << 30)
     assert all(sum(s.nbytes for s in shard) <= 2 << 30 for shard in shards)
+
+
+def test_refuses_a_disk_too_small_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    full = shutil.disk_usage(tmp_path)._replace(free=1 << 20)  # 1 MiB free: less than the small build's ~3 MB
+    monkeypatch.setattr(msc.shutil, "disk_usage", lambda path: full)
+    with pytest.raises(SystemExit, match=r"needs \d+\.\d GB, 0\.0 GB free under .*: free space or choose"):
+        msc.build_synthetic_checkpoint(tmp_path / "tiny", seed=3, progress=False, **SMALL)
+    assert list(tmp_path.iterdir()) == []  # no partial directory left behind

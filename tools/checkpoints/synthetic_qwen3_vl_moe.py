@@ -260,6 +260,11 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    free = shutil.disk_usage(tmp).free
+    if free < total:  # refused before minutes of writing end in ENOSPC and a traceback
+        tmp.rmdir()
+        raise SystemExit(f"{out_dir}: needs {total / 1e9:.1f} GB, {free / 1e9:.1f} GB free under {out_dir.parent}: "
+                         "free space or choose another --out-dir")  # fmt: skip
     weight_map: dict[str, str] = {}
     started = time.perf_counter()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out_dir.name}",
