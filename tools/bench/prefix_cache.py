@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from PIL import Image
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
@@ -50,15 +52,15 @@ def start_daemon(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     return launch_daemon([*cmd, *args.serve_arg], log_path, args.start_timeout)
 
 
-def frame_url(image: Path, index: int, compress_level: int = 6) -> str:
-    """The image with its own tint: the same size (the same visual tokens), pixels the cache has not seen. Another
-    `compress_level` gives other PNG bytes for the same pixels."""
-    from PIL import Image
+def tinted(image: Path, index: int) -> Image.Image:
+    """The image with its own tint: the same size (the same visual tokens), pixels the cache has not seen."""
+    return Image.eval(Image.open(image).convert("RGB"), lambda v: (v + 11 * (index + 1)) % 256)
 
-    img = Image.open(image).convert("RGB")
-    img = Image.eval(img, lambda v: (v + 11 * (index + 1)) % 256)
+
+def frame_url(image: Path, index: int, compress_level: int = 6) -> str:
+    """`tinted(image, index)` as a data URL; another `compress_level` gives other PNG bytes for the same pixels."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG", compress_level=compress_level)
+    tinted(image, index).save(buf, format="PNG", compress_level=compress_level)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -126,6 +128,8 @@ def run(args: argparse.Namespace) -> dict:
                 "recoded_frames_seen": recoded["timings"]["frames_seen"],
                 "tokens_identical": warm["token_ids"] == cold["token_ids"],
             })  # fmt: skip
+            if warm["token_ids"] != cold["token_ids"]:  # judged in process by tools/device/prefix_cache_checks.py
+                rows[-1] |= {"cached_token_ids": warm["token_ids"], "uncached_token_ids": cold["token_ids"]}
             print(json.dumps(rows[-1]), flush=True)
         counters = metrics(port)
     finally:
