@@ -116,6 +116,7 @@ def check_dense_engine(root: Path, dense_bits: int) -> dict[str, Any]:
 def nano_plan(work: Path) -> dict[str, Any]:
     from checkpoints.header_only import write_header_only
 
+    from vismmoe_edge.hardware.gpu_access import ORIN_DOCUMENTED
     from vismmoe_edge.hardware.profiles import get_profile
     from vismmoe_edge.planning.plan import make_plan
 
@@ -123,7 +124,7 @@ def nano_plan(work: Path) -> dict[str, Any]:
     if not (h30 / "config.json").exists():
         write_header_only(h30)
     plan = make_plan(h30, get_profile(NANO), root=ROOT / "tests" / "fixtures" / "boards" / "x86-desktop",
-                     cgroup=None, bits=4, dense_bits=4)  # fmt: skip
+                     cgroup=None, gpu=ORIN_DOCUMENTED, bits=4, dense_bits=4)  # fmt: skip
     return plan.as_dict()
 
 
