@@ -6,7 +6,9 @@ On the CPU the two are bit-identical (tests/test_prefix_cache.py). On CUDA the r
 of another length, so GEMMs of other shapes may round it differently: a differing greedy token is accepted only
 where the cold run's top-2 logit margin is below the largest logit difference between the two, both
 teacher-forced on the cold run's tokens; both numbers are reported. Runs on a tiny bf16 checkpoint and, with
---model, on any checkpoint (the 48-layer 30B-A3B geometry of tools/bench/discrete.py).
+--model, on any checkpoint (the 48-layer 30B-A3B geometry of tools/bench/discrete.py). On CUDA with every
+expert resident it also times the second question's prefill against its captured graph's replay alone
+(`second_question_timing`): how much of it is the graph, how much the host and the copies around it.
     python3 tools/device/prefix_cache_checks.py --out $OUT/prefix_cache_checks.json [--model DIR --image IMG]
 """
 
@@ -72,8 +74,47 @@ def second_question(model_dir: Path, images: list[Path], device: str, budget: st
             frame["divergence"] = divergence.describe()
             ok &= divergence.accepted and divergence.difference < LOGIT_TOLERANCE and device == "cuda"
         out["frames"].append(frame)
+    if device == "cuda" and budget == "100%":
+        try:  # a measurement: its failure is recorded, not a failed equivalence check
+            out["second_question_timing"] = suffix_timing(engine, engine.encode(SECOND, [images[-1]]))
+        except RuntimeError as e:
+            out["second_question_timing"] = {"error": str(e)}
     engine.close()
     return {"ok": ok, **out}
+
+
+def suffix_timing(engine, inputs, repeats: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """Where the second question's time goes (medians of `repeats`): the whole prefill with its prefix reused
+    (host work, KV copies, the replay, the first token's logits) against the captured graph's replay alone."""
+    import statistics
+    import time
+
+    from vismmoe_edge.results import Timings
+
+    walls, timings = [], Timings()
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        timings = Timings()
+        logits, _ = engine.prefill(inputs, timings)
+        logits.float().cpu()
+        walls.append(time.perf_counter() - t0)
+    graphs = [g for g in engine.suffix_graphs.graphs.values() if g.graph is not None]
+    replays = []
+    for graph in graphs[-1:]:  # the most recent shape: this question's
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            graph.graph.replay()
+            end.record()
+            end.synchronize()
+            replays.append(start.elapsed_time(end) / 1e3)
+    return {
+        "prefill_reused_s": statistics.median(walls),
+        "graph_replay_s": statistics.median(replays) if replays else None,
+        "reused_tokens": timings.prefix_reused_tokens,
+        "suffix_graph_tokens": timings.suffix_graph_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
