@@ -42,10 +42,18 @@ def test_attend_and_route_are_transformers_computation(checkpoints, dtype: torch
             assert torch.equal(a, b) and torch.equal(normed, layer.post_attention_layernorm(b)), i
             assert torch.equal(mine.keys[i], theirs.keys[i]) and torch.equal(mine.values[i], theirs.values[i])
             table_row = torch.arange(lm.layers[i].mlp.gate.num_experts, dtype=torch.int32) - 1  # expert 0 absent
-            index, weights, slots, missed = fused.route(i, normed.view(1, -1), table_row)
+            routing = torch.full((layers, lm.layers[i].mlp.gate.top_k), -1, dtype=torch.long)
+            missed_rows = torch.zeros(layers, dtype=torch.bool)
+            index, weights, slots, missed = fused.route(i, normed.view(1, -1), table_row, routing[i],
+                                                        missed_rows[i])  # fmt: skip
             _, their_weights, their_index = layer.mlp.gate(normed.view(1, -1))
             assert torch.equal(index, their_index) and torch.equal(weights, their_weights)
             assert torch.equal(slots, (index - 1).clamp_min(0)) and bool(missed) == bool((index == 0).any())
+            # the token's record: this layer's row written, the others untouched
+            assert torch.equal(routing[i], index[0]) and bool(missed_rows[i]) == bool(missed)
+            assert (routing[torch.arange(layers) != i] == -1).all() and int(missed_rows.sum()) == int(missed)
+            slots_again, missed_again = fused.lookup(index, table_row, routing[i], missed_rows[i])  # replayed
+            assert torch.equal(slots_again, slots) and bool(missed_again) == bool(missed)
 
 
 def test_quantized_or_other_layers_keep_the_modules(checkpoints) -> None:
@@ -82,8 +90,10 @@ def test_a_compiler_failure_runs_the_layers_eagerly(checkpoints, monkeypatch: py
     assert not fused.compiled and torch.isfinite(normed).all()
     with torch.no_grad():
         experts = lm.layers[0].mlp.gate.num_experts
-        index, *_ = fused.route(0, normed.view(1, -1), torch.zeros(experts, dtype=torch.int32))  # the eager router
-    assert index.shape == (1, lm.layers[0].mlp.gate.top_k)
+        k = lm.layers[0].mlp.gate.top_k
+        routing, missed = torch.zeros(k, dtype=torch.long), torch.ones((), dtype=torch.bool)
+        index, *_ = fused.route(0, normed.view(1, -1), torch.zeros(experts, dtype=torch.int32), routing, missed)
+    assert index.shape == (1, k) and torch.equal(routing, index[0]) and not missed  # the eager router and record
 
 
 def test_stacked_qkv_holds_no_byte_twice(checkpoints) -> None:

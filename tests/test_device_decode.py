@@ -452,3 +452,27 @@ def test_tokens_run_ahead_where_no_token_can_miss() -> None:
     assert not StaticDecoder.runs_ahead(decoder(12, 0, replay=object()))
     assert not StaticDecoder.runs_ahead(decoder(12, 0, mode="off"))
     assert StaticDecoder.runs_ahead(decoder(6, 0, mode="on"))
+
+
+def test_replayed_routing_on_the_fused_device_path_is_recorded(checkpoints, tmp_path: Path) -> None:
+    """Under trace replay the fused decoder only looks the routing up in the table; that lookup also writes the
+    token's routing rows the host reads (kernels/decode_layer.record): they hold the trace's experts."""
+    import numpy as np
+
+    from vismmoe_edge.trace import synthetic_trace
+
+    trace = synthetic_trace(200, 3, 12, 2, locality=0.5, seed=3)
+    np.savez(tmp_path / "synthetic.npz", expert_ids=trace.expert_ids, prompt_offsets=np.array([0, 200]),
+             moe_layer_ids=np.arange(3, dtype=np.int16), num_experts=np.array(12))  # fmt: skip
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", pinned_layers=1, device="cpu", tier="host")
+    engine.static_decode = engine.device_decode = "on"
+    engine.compile_decode = True  # the fused layers, eager on the CPU
+    replay = engine.replay_routing(tmp_path / "synthetic.npz")
+    assert engine.uses_device_decode()
+    engine.generate("hello", None, SamplingConfig(max_new_tokens=4, min_new_tokens=4))
+    (decoder,) = engine._decoders.values()
+    assert decoder.fused is not None and decoder.on_device
+    last = replay.cursor - 1  # the row the last decoded token replayed
+    layers = len(engine.language_model.layers)
+    want = np.stack([trace.expert_ids[last, layer % 3] for layer in range(layers)])
+    assert np.array_equal(decoder.routing.numpy(), want) and not decoder.missed.any()

@@ -380,24 +380,24 @@ class StaticDecoder:
             act = self.moe[i].act_fn
             if replay:
                 index, weights = self.replay_index[m : m + 1], self.replay_weights[m : m + 1]
-            if fused is not None and host_row is None:  # router and table lookup in the compiled region
+            if fused is not None and host_row is None:  # router, table lookup and its record compiled
                 if replay:
-                    slots, missed = fused.lookup(index, table_row)
+                    slots, _ = fused.lookup(index, table_row, self.routing[m], self.missed[m])
                 else:
-                    index, weights, slots, missed = fused.route(i, x, table_row)
+                    index, weights, slots, _ = fused.route(i, x, table_row, self.routing[m], self.missed[m])
                 out = pool_decode(x, slots, weights, pool, act, summed=False)
             else:
                 if fused is not None and not replay:  # the router kernel; the table is read with the host's
-                    index, weights, _, _ = fused.route(i, x, table_row)
+                    index, weights, _, _ = fused.route(i, x, table_row, self.routing[m], self.missed[m])
                 elif not replay:
                     _, weights, index = layer.mlp.gate(x)
                 out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
+                self.routing[m].copy_(index[0])
+                self.missed[m].copy_(missed)  # reading in place: a miss is moe_decode's, not the table's
             if fused is None:
                 self.hidden.add_(out.view_as(self.hidden))
             else:
                 experts = out
-            self.routing[m].copy_(index[0])
-            self.missed[m].copy_(missed)
         if fused is not None:
             self.hidden.add_(experts.sum(0).to(self.hidden.dtype).view_as(self.hidden))
         self._tail()

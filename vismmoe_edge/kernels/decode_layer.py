@@ -138,18 +138,33 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
 
 
 def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
-    def route(x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def route(
+        x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
-        transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table."""
+        transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table; `record` writes the
+        index and the miss flag into the token's `routing` [k] and `missed` [] rows."""
         logits = F.linear(x, weight)
         if torch.compiler.is_compiling() and logits.is_cuda and HAS_TRITON:  # one program (decode_router.py)
             index, top = route_topk(logits, top_k)
-            return index, top, *lookup(index, table_row)
-        top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), top_k, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True)
-        return index, top.to(logits.dtype), *lookup(index, table_row)
+        else:
+            p, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), top_k, dim=-1)
+            top = (p / p.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        return index, top, *record(index, table_row, routing, missed)
 
     return route
+
+
+def record(
+    index: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table lookup of `index` [1, k], also written into the token's `routing` and `missed` rows: compiled,
+    the two writes are stores of the lookup's own kernel, where outside it they were two copy kernels a layer
+    (~96 of a 30B-A3B token's 934 in run 9's profile)."""
+    slots, miss = lookup(index, table_row)
+    routing.copy_(index[0])
+    missed.copy_(miss)
+    return slots, miss
 
 
 def stack_qkv(attention: Any) -> torch.Tensor:
@@ -205,7 +220,7 @@ class FusedLayers:
         if compile:
             for layer, t in zip(language_model.layers, self.tensors, strict=True):
                 t.q = stack_qkv(layer.self_attn)
-        self.eager = (make_attend(self.shape), make_route(self.shape.top_k), lookup)
+        self.eager = (make_attend(self.shape), make_route(self.shape.top_k), record)
         self.compiled = compile
         self.fns = self.eager
         if compile:
@@ -223,13 +238,18 @@ class FusedLayers:
         weights = (t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm, t.ln2)
         return self._call(0, experts, hidden, *cos_sin, *kv, *weights)
 
-    def route(self, i: int, x: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(index, weights, slots, missed) of layer i's router and the expert table."""
-        return self._call(1, x, self.tensors[i].router, table_row)
+    def route(
+        self, i: int, x: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """(index, weights, slots, missed) of layer i's router and the expert table; the index and the miss flag
+        are also written into the token's `routing` and `missed` rows."""
+        return self._call(1, x, self.tensors[i].router, table_row, routing, missed)
 
-    def lookup(self, index: torch.Tensor, table_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under trace replay the routing comes in; only the table lookup runs."""
-        return self._call(2, index, table_row)
+    def lookup(
+        self, index: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under trace replay the routing comes in; only the table lookup (and its record) runs."""
+        return self._call(2, index, table_row, routing, missed)
 
     def _call(self, which: int, *args: torch.Tensor) -> Any:
         if which in self._proven:
