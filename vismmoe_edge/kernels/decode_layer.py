@@ -104,7 +104,10 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         ln2: torch.Tensor,
     ) -> torch.Tensor:
         """Returns the post-attention norm of the updated residual, [1, 1, H]."""
-        hidden.add_(experts.sum(0).to(hidden.dtype).view_as(hidden))
+        summed = experts[0]
+        for row in range(1, experts.shape[0]):  # pointwise adds, which inductor fuses into the norm's kernel: a
+            summed = summed + experts[row]  # sum(0) was a Triton kernel of its own, 48 a token in run 9's profile
+        hidden.add_(summed.to(hidden.dtype).view_as(hidden))
         h = rms_norm(hidden, ln1, shape.eps)
         if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (FusedLayers), one GEMV
             q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
