@@ -12,7 +12,14 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from vismmoe_edge.experts.pool_compute import grouped_mm_works, per_slot_experts
-from vismmoe_edge.experts.quant_pool import _int8_batched, decode_quantized, prefill_quantized, prefill_rowmajor_int4
+from vismmoe_edge.experts.quant_pool import (
+    _int8_batched,
+    decode_quantized,
+    prefill_quantized,
+    prefill_rowmajor_int4,
+    reads_int4_in_place,
+)
+from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.quant.config import make_config
 from vismmoe_edge.quant.kernels import dequantize_expert, dequantize_matrix, expert_views
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
@@ -128,6 +135,13 @@ def test_int4_prefill_of_triton_form_slots_is_the_per_slot_dequantize_path(dtype
         assert rel(grouped, reference(x, slots, weights, dense)) < tol
         run = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, chunk=4, run=(0, SLOTS))
         assert torch.equal(run, grouped)
+    if md.HAS_TRITON and md.INTERPRET:  # no dequantized copy: kernels/grouped_int4.py reads the codes in place
+        assert reads_int4_in_place(records, form, dtype)
+        in_place = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, in_place=True)
+        assert rel(in_place, reference(x, slots, weights, dense)) < tol
+        run = prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, in_place=True,
+                                    run=(0, SLOTS))  # fmt: skip
+        assert torch.equal(run, in_place)
 
 
 def test_a_slot_rebuilt_from_another_layout_computes_the_same() -> None:

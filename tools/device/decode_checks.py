@@ -300,6 +300,36 @@ def int4_dequantize(records, form, timed) -> dict:  # type: ignore[no-untyped-de
                                                                       torch.bfloat16), 20)  # fmt: skip
     out["int4_dequantize_torch_us"] = timed(lambda: dequantize_rowmajor(
         form, records.index_select(0, slots), "gate_up_proj", torch.bfloat16), 20)  # fmt: skip
+    out.update(int4_prefill_layer(records, form, timed))
+    return out
+
+
+def int4_prefill_layer(records, form, timed) -> dict:  # type: ignore[no-untyped-def]
+    """One MoE layer's prefill from int4 slots, 1,089 tokens routed top-8 over every slot (a pinned layer's `run`):
+    kernels/grouped_int4.py reading the codes in place against the slots dequantized, then torch's grouped GEMM;
+    the two outputs' largest relative difference (the sums' order only)."""
+    import torch.nn.functional as F
+
+    from vismmoe_edge.experts.quant_pool import prefill_rowmajor_int4, reads_int4_in_place
+
+    hidden, slots_n = form.spec.hidden, records.shape[0]
+    g = torch.Generator(device=records.device).manual_seed(3)
+    x = torch.randn(1089, hidden, device=records.device, generator=g).to(torch.bfloat16)
+    k = min(8, slots_n)
+    slots = torch.rand(1089, slots_n, device=records.device, generator=g).topk(k, dim=-1).indices
+    weights = torch.full((1089, k), 1 / k, device=records.device, dtype=torch.bfloat16)
+
+    def layer(in_place: bool) -> torch.Tensor:
+        return prefill_rowmajor_int4(x, slots, weights, records, form, F.silu, grouped=True, run=(0, slots_n),
+                                     in_place=in_place)  # fmt: skip
+
+    out: dict = {"int4_prefill_in_place": reads_int4_in_place(records, form, torch.bfloat16)}
+    if not out["int4_prefill_in_place"]:
+        return out
+    a, b = layer(True).float(), layer(False).float()
+    out["int4_prefill_in_place_relative_difference"] = ((a - b).abs().max() / b.abs().max()).item()
+    out["int4_prefill_in_place_us"] = timed(lambda: layer(True), 10)
+    out["int4_prefill_dequantize_us"] = timed(lambda: layer(False), 10)
     return out
 
 

@@ -9,7 +9,8 @@ that keeps such a tensor (host slots, GPU slots, slots in pinned memory a GPU re
   two batched GEMMs instead. On the CPU the experts are read where they are (no gather copy).
 - prefill (many tokens): tokens sorted by slot, then each slot in use computes its tokens as one GEMM through
   the same kernels; int4 slots in the Triton decode form (row-major nibbles, on CUDA), which no torch kernel
-  reads, are dequantized to the compute dtype a chunk of slots at a time, then grouped GEMMs.
+  reads, run kernels/grouped_int4.py's grouped GEMM reading the codes in place (else they are dequantized to the
+  compute dtype a chunk of slots at a time, then torch's grouped GEMMs).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from vismmoe_edge.experts.pool_compute import (
     per_slot_experts,
     sort_by_slot,
 )
+from vismmoe_edge.kernels import grouped_int4
+from vismmoe_edge.kernels.moe_int4 import HAS_TRITON
+from vismmoe_edge.kernels.slot_matrix import record_matrix
 from vismmoe_edge.quant.kernels import expert_forward, int8_cuda_path
 from vismmoe_edge.quant.packing import unpack_rowmajor
 from vismmoe_edge.quant.slot_form import SlotForm
@@ -90,7 +94,9 @@ def prefill_quantized(
     (int4 slots in the Triton form: `prefill_rowmajor_int4`, which takes a pinned layer's `run`)."""
     if form.triton_int4:
         grouped = grouped_mm_works(x.dtype, x.device)
-        return prefill_rowmajor_int4(x, slots, weights, records, form, act, grouped=grouped, run=run)
+        in_place = records.is_cuda and reads_int4_in_place(records, form, x.dtype)
+        return prefill_rowmajor_int4(x, slots, weights, records, form, act, grouped=grouped, run=run,
+                                     in_place=in_place)  # fmt: skip
     return per_slot_experts(x, slots, weights, lambda slot, rows: expert_forward(rows, form.views(records[slot]), act))
 
 
@@ -105,6 +111,7 @@ def prefill_rowmajor_int4(
     grouped: bool,
     chunk: int = PREFILL_CHUNK,
     run: tuple[int, int] | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """The prefill of int4 slots in row-major nibbles (which no torch kernel takes): the slots in use are
     dequantized `chunk` at a time, each chunk with a few batched ops (the per-slot path ran ~10 small kernels and
@@ -112,7 +119,9 @@ def prefill_rowmajor_int4(
     per projection over the chunk (`grouped`), or one GEMM per slot. The weights are dequantize_matrix's, element
     for element, so without `grouped` the result is that of the per-slot path on CUDA (dequantize_matrix, then
     F.linear, slot by slot) bit for bit. `run` (first, count): the slots are one pinned layer's experts, every one
-    of which is a group (unrouted ones empty), so no host read waits for the slots in use to be found."""
+    of which is a group (unrouted ones empty), so no host read waits for the slots in use to be found.
+    `in_place`: no dequantized copy; kernels/grouped_int4.py's grouped GEMM reads the codes where they lie (the
+    same weights, sums in another order), with no host read at all for a `run`."""
     order, token_of, xs = sort_by_slot(x, slots)
     sorted_slots = slots.reshape(-1)[order]
     if run is None:
@@ -121,6 +130,12 @@ def prefill_rowmajor_int4(
     else:
         used = torch.arange(run[0], run[0] + run[1], device=slots.device)
         ends = torch.searchsorted(sorted_slots, used, right=True)
+    if in_place:
+        offs = ends.to(torch.int32)
+        gate_up = grouped_int4.grouped_int4_mm(xs, record_matrix(records, form, "gate_up_proj"), used, offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = grouped_int4.grouped_int4_mm(act(gate) * up, record_matrix(records, form, "down_proj"), used, offs)
+        return combine_pairs(x, y, weights, order, token_of)
     bounds = [0, *ends.tolist()]  # one host read per layer: where each slot's pairs start
     y = torch.empty(xs.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
     for c0 in range(0, used.shape[0], chunk):
@@ -135,6 +150,13 @@ def prefill_rowmajor_int4(
             part = slice(bounds[c0 + i], bounds[c0 + i + 1])
             y[part] = expert_mlp(xs[part], gate_up[i], down[i], act)
     return combine_pairs(x, y, weights, order, token_of)
+
+
+def reads_int4_in_place(records: torch.Tensor, form: SlotForm, dtype: torch.dtype) -> bool:
+    """Whether kernels/grouped_int4.py takes these slots: Triton, bf16 or float32 inputs, groups it supports."""
+    if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return all(grouped_int4.supported(record_matrix(records, form, name)) for name in ("gate_up_proj", "down_proj"))
 
 
 def dequantize_slots(
