@@ -1,7 +1,8 @@
 """int4 records in row-major nibbles -> one matrix per slot in the compute dtype, in one pass, read in place.
 
-The prefill of a pool whose int4 slots are in the Triton decode form (moe_int4.py; no torch kernel reads them)
-dequantizes the slots in use and runs grouped GEMMs (experts/quant_pool.prefill_rowmajor_int4). In torch that
+The prefill of a pool whose int4 slots are in the Triton decode form (moe_int4.py; no torch kernel reads them),
+where kernels/grouped_int4.py does not take them, dequantizes the slots in use and runs grouped GEMMs
+(experts/quant_pool.prefill_rowmajor_int4). In torch that
 dequantize is a chain of ops, each writing a float32 tensor of every weight (codes, minus 8, times the scale,
 plus the zero) before the bf16 result: ~10x the result's bytes, and on the H200 (run 7) the int4 prefill took
 3.7-4.1x transformers'. This kernel reads each slot's nibbles and (scale, zero) where they lie and writes the
