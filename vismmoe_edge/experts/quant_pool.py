@@ -28,9 +28,6 @@ from vismmoe_edge.experts.pool_compute import (
     per_slot_experts,
     sort_by_slot,
 )
-from vismmoe_edge.kernels import grouped_int4
-from vismmoe_edge.kernels.moe_int4 import HAS_TRITON
-from vismmoe_edge.kernels.slot_matrix import record_matrix
 from vismmoe_edge.quant.kernels import expert_forward, int8_cuda_path
 from vismmoe_edge.quant.packing import unpack_rowmajor
 from vismmoe_edge.quant.slot_form import SlotForm
@@ -131,10 +128,13 @@ def prefill_rowmajor_int4(
         used = torch.arange(run[0], run[0] + run[1], device=slots.device)
         ends = torch.searchsorted(sorted_slots, used, right=True)
     if in_place:
+        from vismmoe_edge.kernels.grouped_int4 import grouped_int4_mm  # (kernels imports experts: not at the top)
+        from vismmoe_edge.kernels.slot_matrix import record_matrix
+
         offs = ends.to(torch.int32)
-        gate_up = grouped_int4.grouped_int4_mm(xs, record_matrix(records, form, "gate_up_proj"), used, offs)
+        gate_up = grouped_int4_mm(xs, record_matrix(records, form, "gate_up_proj"), used, offs)
         gate, up = gate_up.chunk(2, dim=-1)
-        y = grouped_int4.grouped_int4_mm(act(gate) * up, record_matrix(records, form, "down_proj"), used, offs)
+        y = grouped_int4_mm(act(gate) * up, record_matrix(records, form, "down_proj"), used, offs)
         return combine_pairs(x, y, weights, order, token_of)
     bounds = [0, *ends.tolist()]  # one host read per layer: where each slot's pairs start
     y = torch.empty(xs.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
@@ -154,9 +154,13 @@ def prefill_rowmajor_int4(
 
 def reads_int4_in_place(records: torch.Tensor, form: SlotForm, dtype: torch.dtype) -> bool:
     """Whether kernels/grouped_int4.py takes these slots: Triton, bf16 or float32 inputs, groups it supports."""
+    from vismmoe_edge.kernels.grouped_int4 import supported
+    from vismmoe_edge.kernels.moe_int4 import HAS_TRITON
+    from vismmoe_edge.kernels.slot_matrix import record_matrix
+
     if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float32):
         return False
-    return all(grouped_int4.supported(record_matrix(records, form, name)) for name in ("gate_up_proj", "down_proj"))
+    return all(supported(record_matrix(records, form, name)) for name in ("gate_up_proj", "down_proj"))
 
 
 def dequantize_slots(
