@@ -387,12 +387,13 @@ class StaticDecoder:
                     index, weights, slots, _ = fused.route(i, x, table_row, self.routing[m], self.missed[m])
                 out = pool_decode(x, slots, weights, pool, act, summed=False)
             else:
-                if fused is not None and not replay:  # the router kernel; the table is read with the host's
+                if fused is not None and not replay:  # the router kernel (its record writes the routing row)
                     index, weights, _, _ = fused.route(i, x, table_row, self.routing[m], self.missed[m])
-                elif not replay:
-                    _, weights, index = layer.mlp.gate(x)
+                else:
+                    if not replay:
+                        _, weights, index = layer.mlp.gate(x)
+                    self.routing[m].copy_(index[0])
                 out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
-                self.routing[m].copy_(index[0])
                 self.missed[m].copy_(missed)  # reading in place: a miss is moe_decode's, not the table's
             if fused is None:
                 self.hidden.add_(out.view_as(self.hidden))

@@ -91,7 +91,7 @@ def suffix_timing(engine, inputs, repeats: int = 10) -> dict:  # type: ignore[no
 
     from vismmoe_edge.results import Timings
 
-    walls, timings = [], Timings()
+    walls = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()

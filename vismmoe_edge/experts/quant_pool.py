@@ -156,11 +156,11 @@ def reads_int4_in_place(records: torch.Tensor, form: SlotForm, dtype: torch.dtyp
     """Whether kernels/grouped_int4.py takes these slots: Triton, bf16 or float32 inputs, groups it supports."""
     from vismmoe_edge.kernels.grouped_int4 import supported
     from vismmoe_edge.kernels.moe_int4 import HAS_TRITON
-    from vismmoe_edge.kernels.slot_matrix import record_matrix
 
     if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float32):
         return False
-    return all(supported(record_matrix(records, form, name)) for name in ("gate_up_proj", "down_proj"))
+    group = form.spec.quant.group_size
+    return all(supported(group, k) for _, k in form.spec.matrices.values())
 
 
 def dequantize_slots(
