@@ -178,8 +178,10 @@ def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act:
     kernels; other activations run in torch between the GEMVs. Returns each expert's weighted output [k, H] in
     float32; the inner activation is rounded to the compute dtype, as transformers' bf16 experts do."""
     k = slots.shape[1]
-    slot_ids = slots.view(-1).to(torch.int32)
-    mix = weights.view(-1).float()
+    # As the router returns them (slots int64, weights in the compute dtype): the kernels widen both as they load,
+    # where a cast here was two copy kernels a layer outside the compiled regions (run 10's profile).
+    slot_ids = slots.view(-1)
+    mix = weights.view(-1)
     h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
     if is_silu(act):
         return gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted
@@ -195,9 +197,9 @@ def is_silu(act: Act) -> bool:
 def gemv(
     w: SlotMatrix, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, *, silu_of: torch.dtype | None = None
 ) -> torch.Tensor:
-    """slot_ids [k] int32 -> [k, N] float32: out[e] = W[slot_ids[e]] @ v[e]. `silu_of` (the down projection of
-    SiLU experts): v [k, 2K] holds gate | up in float32, the input is silu(gate) * up rounded to that dtype, and
-    out[e] is scaled by mix[e]."""
+    """slot_ids [k] (int32 or int64) -> [k, N] float32: out[e] = W[slot_ids[e]] @ v[e]. `silu_of` (the down
+    projection of SiLU experts): v [k, 2K] holds gate | up in float32, the input is silu(gate) * up rounded to that
+    dtype, and out[e] is scaled by mix[e] (any float dtype, widened to float32)."""
     if w.group:
         return gemv_int4(w, slot_ids, v, mix, silu_of=silu_of)
     k = slot_ids.shape[0]
@@ -281,7 +283,7 @@ def _kernels():  # type: ignore[no-untyped-def]
             scales = (record + s_off).to(tl.pointer_type(tl.bfloat16))
             acc = acc * tl.load(scales + rows, mask=rows < N, other=0.0).to(tl.float32)
         if SILU:
-            acc = acc * tl.load(mix + e)
+            acc = acc * tl.load(mix + e).to(tl.float32)
         tl.store(out + e * N + rows, acc, mask=rows < N)
 
     @triton.jit

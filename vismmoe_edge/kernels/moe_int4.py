@@ -34,7 +34,7 @@ def gemv_int4(
     *,
     silu_of: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """w: a slot_matrix.SlotMatrix of int4 records (`group` > 0). slot_ids [k] int32 -> [k, N] float32:
+    """w: a slot_matrix.SlotMatrix of int4 records (`group` > 0). slot_ids [k] (int32 or int64) -> [k, N] float32:
     out[e] = W[slot_ids[e]] @ v[e]; `silu_of` as moe_decode.gemv (v [k, 2K] gate | up in float32, the input
     silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
     k = slot_ids.shape[0]
@@ -156,7 +156,7 @@ def _kernel():  # type: ignore[no-untyped-def]
         if ACC2D:  # (zero where the blocks span several groups, which reduce per block)
             acc += tl.sum(acc2, axis=1)
         if SILU:
-            acc = acc * tl.load(mix + e)
+            acc = acc * tl.load(mix + e).to(tl.float32)
         tl.store(out + e * N + rows, acc, mask=row_ok)
 
     _compiled = _gemv_int4_kernel
