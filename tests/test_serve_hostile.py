@@ -191,24 +191,27 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.stop()
 
 
-ADMISSION_WINDOW_S = 2.0  # no 503 within this long: the connection was admitted
-
-
 def counted_socket(server: Server, source: str) -> socket.socket:
-    """A connection the server has admitted and counts. A connection that has just been answered is released a
-    moment after its client reads the answer (servers.py: the count drops after the socket is shut), so a new
-    one may still be refused with a 503: retry until one is left waiting for its headers. The 503 is written by
-    the accepting thread, which a loaded machine may not schedule for a while: with a 0.2 s window a late 503
-    once passed for an admitted connection (the suite beside two other processes on 2 cores), so the window is
-    2 s, far past any delay seen."""
+    """A connection the server has admitted and counts: a /health sent on it is answered and the connection kept
+    open (keep-alive). A connection that has just been answered is released a moment after its client reads the
+    answer (servers.py: the count drops after the socket is shut), so a new one may still be refused (503), or be
+    taken as a probe past the caps (answered, then closed): retry those. The helper once sent nothing and took 0.2
+    s without a 503 for admission; on a loaded machine a late 503 passed for an admitted connection."""
+    import http.client
+
     for _ in range(100):
         sock = socket_from(server, source)
-        sock.settimeout(ADMISSION_WINDOW_S)
+        sock.settimeout(10)
         try:
-            sock.recv(1)  # a refused connection gets its 503 at once (or is closed: b"")
-        except TimeoutError:
-            sock.settimeout(None)
-            return sock
+            sock.sendall(HEALTH)
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            reply.read()
+            if reply.status == 200 and not reply.will_close:
+                sock.settimeout(None)
+                return sock
+        except (OSError, http.client.HTTPException):  # refused and reset before its 503 was read
+            pass
         sock.close()
     raise AssertionError("the server never admitted the connection")
 
