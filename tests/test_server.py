@@ -407,6 +407,36 @@ def test_worker_answers_504_to_a_job_past_its_deadline() -> None:
     assert metrics.cancelled["deadline"] == 1
 
 
+def test_the_worker_sets_torch_threads_in_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon loads on one CPU thread and hands torch's count to the worker (daemon.py: a second OpenMP team
+    slowed the worker's parallel ops 1.6-2x). OpenMP's count is each thread's own, so the worker must set it
+    from its own thread, before any job."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from vismmoe_edge.serve.metrics import Metrics
+    from vismmoe_edge.serve.protocol import Limits
+    from vismmoe_edge.serve.worker import Worker
+
+    count = torch.get_num_threads()  # the count this process already has: nothing changes for later tests
+    real = torch.set_num_threads
+    seen: list[tuple[str, int]] = []
+
+    def recording(n: int) -> None:
+        real(n)
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+
+    monkeypatch.setattr(torch, "set_num_threads", recording)
+    engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
+    worker = Worker(engine, Limits(), Metrics(), threads=count)  # type: ignore[arg-type]
+    worker.stop.set()  # the loop sets the count, then sees the stop and returns
+    worker.thread.start()
+    worker.thread.join(timeout=10)
+    assert seen == [("vismmoe-worker", count)]
+
+
 def test_serve_takes_every_option_the_systemd_unit_passes() -> None:
     import typer
     import typer.main

@@ -102,15 +102,23 @@ class Service:
 
     # -- lifecycle (main thread) --
     def load(self) -> None:
+        import torch
+
         from vismmoe_edge.checkpoint_info import inspect_checkpoint
         from vismmoe_edge.options import load_resolved
 
+        # The worker thread computes; this one only loads. A thread that has run one parallel op keeps an OpenMP
+        # team of its own, and beside it the worker's parallel ops ran 1.6-2x slower on a 2-core machine (the
+        # demo model's prefill: docs/serving.md, "CPU threads"). So the load runs on one thread here, and the
+        # worker takes torch's default count.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         o = self.options
         checkpoint = inspect_checkpoint(o.model)
         resolved = self.resolve(checkpoint, replan=False)
         self.engine = load_resolved(checkpoint, self.load_options(), resolved)
         self.model_id = o.model_id or self.engine.model_dir.name
-        self.worker = Worker(self.engine, self.limits, self.metrics)
+        self.worker = Worker(self.engine, self.limits, self.metrics, threads=threads)
         sdnotify.status("compiling the decoder")
         longest = self.limits.max_prompt_tokens + self.limits.max_tokens
         if (seconds := warm_decoder(self.engine, longest)) is not None:

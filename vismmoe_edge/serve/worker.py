@@ -148,8 +148,11 @@ def install_progress_pings(engine: Any, heartbeat: Heartbeat) -> None:
 class Worker:
     """The only thread that touches the Engine: takes jobs in FIFO order and generates their replies."""
 
-    def __init__(self, engine: Engine, limits: Limits, metrics: Metrics, grammars: Any = None) -> None:
+    def __init__(
+        self, engine: Engine, limits: Limits, metrics: Metrics, grammars: Any = None, threads: int | None = None
+    ) -> None:
         self.engine = engine
+        self.threads = threads  # torch's CPU threads for this thread's work (daemon.py: the load ran on one)
         self.limits = limits
         self.metrics = metrics
         self.grammars: JsonGrammars | None = grammars  # built on the first response_format request
@@ -205,6 +208,10 @@ class Worker:
 
     # -- worker thread --
     def loop(self) -> None:
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)  # OpenMP's thread count is each thread's own
         while not self.stop.is_set():
             self.heartbeat.beat()  # idle but healthy: the loop itself still turns
             try:
