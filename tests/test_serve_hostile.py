@@ -8,6 +8,7 @@ the default tens of seconds; the clients are raw sockets (an attacker's) and the
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import select
@@ -48,13 +49,17 @@ def pending(server: Server) -> float:
     return server.metrics()["vismmoe_pending_request_bytes"]
 
 
-def read_reply(sock: socket.socket, timeout: float = 10) -> tuple[int, dict]:
-    """One HTTP response from a socket on which a request was sent."""
-    import http.client
-
+def read_response(sock: socket.socket, timeout: float = 10) -> http.client.HTTPResponse:
+    """The status line and headers of one HTTP response on a socket on which a request was sent."""
     sock.settimeout(timeout)
     resp = http.client.HTTPResponse(sock)
     resp.begin()
+    return resp
+
+
+def read_reply(sock: socket.socket, timeout: float = 10) -> tuple[int, dict]:
+    """One HTTP response from a socket on which a request was sent."""
+    resp = read_response(sock, timeout)
     return resp.status, json.loads(resp.read())
 
 
@@ -197,15 +202,11 @@ def counted_socket(server: Server, source: str) -> socket.socket:
     answer (servers.py: the count drops after the socket is shut), so a new one may still be refused (503), or be
     taken as a probe past the caps (answered, then closed): retry those. The helper once sent nothing and took 0.2
     s without a 503 for admission; on a loaded machine a late 503 passed for an admitted connection."""
-    import http.client
-
     for _ in range(100):
         sock = socket_from(server, source)
-        sock.settimeout(10)
         try:
             sock.sendall(HEALTH)
-            reply = http.client.HTTPResponse(sock)
-            reply.begin()
+            reply = read_response(sock)
             reply.read()
             if reply.status == 200 and not reply.will_close:
                 sock.settimeout(None)
