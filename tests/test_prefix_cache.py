@@ -101,6 +101,35 @@ def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
+def test_a_suffix_s_padding_rows_reach_no_expert_of_their_own(
+    checkpoints: dict[str, Path], images: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The padding rows of a suffix's graph buffers are routed as its first row: they read no expert weights the
+    question's own tokens do not (routed as they come, each could reach k experts of its own)."""
+    from vismmoe_edge.experts.compute import OffloadedExperts
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.suffix_graph import SuffixGraphs
+
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False)
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    engine.prefill(engine.encode(QUESTIONS["first"][0], [images[0]]))
+    second = engine.encode(QUESTIONS["second"][0], [images[0]])
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    compute = OffloadedExperts.pool_compute
+
+    def spy(self: OffloadedExperts, x: torch.Tensor, slots: torch.Tensor, *args: object, **kwargs: object):
+        seen.append((slots.clone(), engine.experts.counted_rows.clone()))
+        return compute(self, x, slots, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadedExperts, "pool_compute", spy)
+    engine.prefill(second)
+    assert graphs.replays == 1 and seen
+    for slots, counted in seen:
+        assert 0 < int(counted.sum()) < counted.shape[0]  # padding exists
+        assert (slots[~counted] == slots[:1]).all()
+
+
 def test_the_suffix_graph_applies_only_where_nothing_needs_the_host(checkpoints: dict[str, Path]) -> None:
     """Where a capture would fail or the padding could change what the engine sees, the suffix prefills eagerly:
     on the CPU (no CUDA graphs), with a route hook, a visual token in the suffix, more than 64 tokens, or a layer

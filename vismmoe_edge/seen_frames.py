@@ -63,16 +63,33 @@ def encode_seen(engine: Any, messages: list[dict[str, Any]], frames: list[str]) 
     if visual is None:
         return None
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    parts = text.split(processor.image_token)
-    if len(parts) != len(frames) + 1:
+    if text.count(processor.image_token) != len(frames):
         return None  # a template that writes the placeholder other than once per image part
     merge = processor.image_processor.merge_size
     counts = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()]
-    expanded = parts[0] + "".join(processor.image_token * n + part for n, part in zip(counts, parts[1:], strict=True))
-    input_ids = processor.tokenizer([expanded], return_tensors="pt")["input_ids"]
+    input_ids = expand_placeholders(processor.tokenizer([text])["input_ids"][0], engine.model.config.image_token_id,
+                                    counts)  # fmt: skip
+    if input_ids is None:
+        return None
     mm_types = torch.as_tensor(processor.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)
     cache.count_seen_frames(len(keys))
     return PromptInputs(input_ids, None, grid, mm_types, image_keys=keys, vision=visual)
+
+
+def expand_placeholders(ids: list[int], image_id: int, counts: list[int]) -> torch.Tensor | None:
+    """The ids of a prompt tokenized with one placeholder an image, each placeholder repeated as many times as
+    its image has visual tokens -> [1, N]; None unless there is one placeholder an image. The processor expands
+    the text and tokenizes that instead, with the same ids: the placeholder is an added token, at which the
+    tokenizer splits its input before anything else. Tokenizing ~1,100 placeholders cost ~2 ms a question."""
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    if len(at) != len(counts):
+        return None
+    expanded: list[int] = []
+    start = 0
+    for i, n in zip(at, counts, strict=True):
+        expanded += ids[start:i] + [image_id] * n
+        start = i + 1
+    return torch.tensor([expanded + ids[start:]], dtype=torch.long)
 
 
 def remember(engine: Any, frames: list[str], inputs: PromptInputs) -> None:

@@ -212,11 +212,16 @@ class Worker:
             import torch
 
             torch.set_num_threads(self.threads)  # OpenMP's thread count is each thread's own
+        trimmed = time.monotonic()  # when freed heap pages last went back to the kernel
+        untrimmed = False  # a job has finished since
         while not self.stop.is_set():
             self.heartbeat.beat()  # idle but healthy: the loop itself still turns
             try:
-                job = self.jobs.get(timeout=self.tick_s)
+                job = self.jobs.get(timeout=TRIM_IDLE_S if untrimmed else self.tick_s)
             except queue.Empty:
+                if untrimmed:  # idle: give freed pages back now, where no request waits for it
+                    release_freed_memory()
+                    trimmed, untrimmed = time.monotonic(), False
                 continue
             try:
                 self.process(job)
@@ -224,7 +229,10 @@ class Worker:
                 job.request.images.clear()  # the decoded and compressed images go now, not with the handler
                 job.request.videos.clear()
                 self.job_finished()
-                release_freed_memory()
+                untrimmed = True
+                if time.monotonic() - trimmed > TRIM_BUSY_S:  # never idle for long: trim between jobs anyway
+                    release_freed_memory()
+                    trimmed, untrimmed = time.monotonic(), False
 
     def job_finished(self) -> None:
         with self.lock:
@@ -407,6 +415,12 @@ class Worker:
         with self.metrics.lock:
             tps, done = self.metrics.last_decode_tps, self.metrics.completed
         sdnotify.status(f"serving {self.pending} requests, {tps:.1f} tok/s, {done} done")
+
+
+# malloc_trim takes ~2 ms here and more in a process holding a large model: after every job it delayed the next
+# question about a frame, sent as soon as the answer came (docs/benchmarks.md, "One frame, many questions")
+TRIM_IDLE_S = 0.1  # after a job, trim once the worker has had no job for this long
+TRIM_BUSY_S = 10.0  # ... or right after a job, if it has been busy without a pause this long
 
 
 def _libc() -> Any:
