@@ -134,8 +134,8 @@ class SuffixGraphs:
         for layer, hits in graph.hit_counts:  # type: ignore[union-attr]
             pipeline.log_pinned_layer(layer, hits)  # read with the prefill's other counts
         out = DynamicCache(config=engine.text_config)
-        for i, (keys, values) in enumerate(zip(graph.keys, graph.values, strict=True)):  # type: ignore[arg-type]
-            out.update(keys[:, :, : reused + tokens], values[:, :, : reused + tokens], i)  # copies out of the graph
+        for i, (k, v) in enumerate(zip(graph.keys, graph.values, strict=True)):  # type: ignore[arg-type]
+            out.update(k[:, :, : reused + tokens], v[:, :, : reused + tokens], i)  # copies out of the graph
         return graph.out[:, :tokens].clone(), out  # type: ignore[index]
 
     def _build(

@@ -45,7 +45,7 @@ def sync(device: torch.device) -> None:
 
 def graph_kernels(engine) -> dict:  # type: ignore[no-untyped-def]
     """The most recent suffix graph's replay under torch.profiler: its kernels by GPU time (name, microseconds a
-    replay, count a replay), how many it launches, and the GPU's busy share of the replay's wall time."""
+    replay, count a replay), how many it launches, their time and the replay's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = list(engine.suffix_graphs.graphs.values())[-1].graph
