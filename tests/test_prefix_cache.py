@@ -74,18 +74,21 @@ def test_second_question_reuses_the_prefill_with_transformers_tokens(
     check_reuse(engine, question_refs, QUESTIONS, images[0])
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["transformers-layers", "explicit-attention"])
 def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
-    checkpoints: dict[str, Path], images: list[Path], question_refs: dict
+    checkpoints: dict[str, Path], images: list[Path], question_refs: dict, explicit: bool
 ) -> None:
     """suffix_graph.py: with every MoE layer pinned, the second question's suffix runs over static buffers padded
-    to 8 tokens (on CUDA captured once and replayed; here the same steps eagerly). Its tokens are transformers',
-    its prefill logits those of the unpadded prefill, and its hits too: padding rows count none."""
+    to 8 tokens (on CUDA captured once and replayed; here the same steps eagerly), through transformers' layers or
+    the explicit attention that CUDA compiles (kernels/suffix_layer.py). Its tokens are transformers', its
+    prefill logits those of the unpadded prefill, and its hits too: padding rows count none."""
     from vismmoe_edge.loader import load
     from vismmoe_edge.suffix_graph import SuffixGraphs
 
     engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
-    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False)
+    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False, explicit_layers=explicit)
     check_reuse(engine, question_refs, QUESTIONS, images[0])
+    assert (graphs.suffix_layers() is not None) == explicit
     assert graphs.replays == 1  # the second question; cold runs reuse nothing
     logits, hits = {}, {}
     for padded in (True, False):
@@ -99,6 +102,38 @@ def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
     engine.prefix_cache = None
     assert graphs.replays == 2 and hits[True] == hits[False] > 0
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+
+def test_the_daemon_warms_the_suffix_attention_for_two_shapes_and_keeps_no_graph(
+    checkpoints: dict[str, Path], images: list[Path], question_refs: dict
+) -> None:
+    """serve/warmup.py: where the suffix attention compiles (CUDA), the daemon runs it before READY over zeros of
+    two shapes, so that torch.compile's code takes any length, and drops those graphs. Here the compiled flag is
+    set by hand over the eager code (the CPU compiles nothing): the two shapes run, nothing is kept, and the
+    next question still gets transformers' tokens."""
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.serve.warmup import warm_suffix_graphs
+    from vismmoe_edge.suffix_graph import SuffixGraphs
+
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    assert warm_suffix_graphs(engine) is None  # the CPU's own suffix graphs: nothing compiles
+    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False, explicit_layers=True)
+    explicit = graphs.suffix_layers()
+    assert explicit is not None and not explicit.compiled and not graphs.warm()
+    shapes: set[tuple[int, int]] = set()
+    attend = explicit.attend
+
+    def recording(i: int, hidden: torch.Tensor, cos_sin, prefix_keys: torch.Tensor, *rest):  # type: ignore[no-untyped-def]
+        shapes.add((prefix_keys.shape[2], hidden.shape[1]))
+        return attend(i, hidden, cos_sin, prefix_keys, *rest)
+
+    explicit.attend = recording  # type: ignore[method-assign]
+    explicit.compiled = True
+    assert warm_suffix_graphs(engine) is not None
+    assert shapes == {(24, 8), (40, 16)} and not graphs.graphs and graphs.enabled
+    assert engine.experts.pipeline.stats.hits == 0  # the warm-up's zeros count nothing
+    check_reuse(engine, question_refs, QUESTIONS, images[0])
 
 
 def test_a_suffix_s_padding_rows_reach_no_expert_of_their_own(

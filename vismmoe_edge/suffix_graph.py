@@ -5,10 +5,14 @@ Such a prefill is bound by the host on a large GPU: on the H200 (docs/benchmarks
 reused took 0.105 s, more than a cold prefill of all 1,114 (0.093 s), since both launch the same kernels a layer
 and the GPU waits for them. One graph is kept per (reused positions, padded length). The suffix is padded to a
 power of two of at least 8 tokens with zero rows after the real ones: the causal mask keeps them out of every
-real token's attention, their KV is cut off after the replay, and their experts count no hits
-(ExpertRuntime.counted_rows). Before a replay the suffix's embeddings, its rotary angles and each layer's reused KV
-are copied into the graph's input buffers; after it, the last hidden state and each layer's KV are copied out, so
-nothing outside this module keeps graph memory.
+real token's attention, their KV is cut off after the replay, their experts count no hits
+(ExpertRuntime.counted_rows) and they are routed as the first row, so they read no expert of their own. Where the
+decode layers compile (`engine.compile_decode`: CUDA with Triton), each layer's attention is the explicit code of
+kernels/suffix_layer.py compiled by torch.compile (run 11: transformers' eager layers launched 94 kernels a layer
+into the graph), then the layer's own MoE block; the daemon compiles it before READY (`warm`). Before a replay
+the suffix's embeddings, its rotary angles and each layer's reused KV are copied into the graph's input buffers;
+after it, the last hidden state and each layer's KV are copied out, so nothing outside this module keeps graph
+memory.
 
 It applies (`SuffixGraphs.applies`) where every step inside the layers is a device op with no host
 synchronisation: CUDA with graphs on, every MoE layer pinned in a slot pool of float experts
@@ -33,8 +37,10 @@ from transformers.masking_utils import create_causal_mask
 
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.pool_compute import grouped_mm_works
+from vismmoe_edge.kernels.decode_layer import supports
+from vismmoe_edge.kernels.suffix_layer import SuffixLayers
 from vismmoe_edge.prefix_cache import restore_prefix
-from vismmoe_edge.static_decode import capture_stream
+from vismmoe_edge.static_decode import capture_stream, compiles_layers
 
 MAX_TOKENS = 64  # a longer suffix is less bound by the host, and each length would need its own graph
 MIN_PADDED = 8
@@ -65,13 +71,15 @@ class SuffixGraph:
 
 
 class SuffixGraphs:
-    def __init__(self, engine: Any, *, capture: bool = True) -> None:
+    def __init__(self, engine: Any, *, capture: bool = True, explicit_layers: bool = False) -> None:
         self.engine = engine
         self.capture = capture  # False: the same padded steps eagerly (what the CPU tests check)
+        self.explicit_layers = explicit_layers  # without capture: the explicit attention anyway (CPU tests)
         self.enabled = os.environ.get("VISMMOE_SUFFIX_GRAPHS", "1") != "0"
         self.graphs: OrderedDict[tuple[int, int], SuffixGraph] = OrderedDict()
         self.replays = 0
         self._moe: list[OffloadedExperts] | None = None  # the model's MoE layers, found on first use
+        self._layers: SuffixLayers | None | bool = None  # kernels/suffix_layer.py's, decided on first use
 
     def applies(self, tokens: int, suffix_visual_tokens: int) -> bool:
         engine = self.engine
@@ -189,17 +197,59 @@ class SuffixGraphs:
         since = len(pipeline.pending_hits)
         rt.counted_rows = graph.counted
         angles = (graph.cos, graph.sin)
+        explicit = self.suffix_layers()
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         try:
             hidden = graph.hidden
             for i, layer in enumerate(lm.layers):
-                hidden = layer(hidden, attention_mask=graph.mask, cache=cache, position_embeddings=angles)
+                if explicit is None:  # transformers' layer
+                    hidden = layer(hidden, attention_mask=graph.mask, cache=cache, position_embeddings=angles)
+                else:  # the same attention as explicit tensor code (compiled on CUDA), then the module's MoE block
+                    prefix = (graph.prefix_keys[i], graph.prefix_values[i])
+                    hidden, normed, k, v = explicit.attend(i, hidden, angles, *prefix, graph.mask)
+                    keys.append(k)
+                    values.append(v)
+                    hidden = hidden + layer.mlp(normed)
                 hidden = engine.ops.after_layer(lm, i, hidden, None, [])
         finally:
             rt.counted_rows = None
             graph.hit_counts = pipeline.unlog_pinned_layers(since)  # prefill() logs them on each run
         graph.out = hidden
-        graph.keys = [layer.keys for layer in cache.layers]
-        graph.values = [layer.values for layer in cache.layers]
+        graph.keys = keys if explicit is not None else [layer.keys for layer in cache.layers]
+        graph.values = values if explicit is not None else [layer.values for layer in cache.layers]
+
+    def warm(self, shapes: tuple[tuple[int, int], ...] = ((24, 8), (40, 16))) -> bool:
+        """Build and drop suffix graphs of `shapes` (reused positions, suffix tokens) over zeros, where the
+        explicit attention compiles: after two shapes torch.compile's code takes any length (automatic dynamic
+        shapes), so the first question after a cached frame does not wait seconds for the compiler (the daemon
+        calls this before READY: serve/warmup.py). True where it compiled."""
+        explicit = self.suffix_layers() if self.applies(MIN_PADDED, 0) else None
+        if explicit is None or not explicit.compiled:
+            return False
+        engine, lm = self.engine, self.engine.language_model
+        attention = lm.layers[0].self_attn
+        for reused, tokens in shapes:
+            like = torch.zeros(1, lm.config.num_key_value_heads, reused, attention.head_dim, device=engine.device,
+                               dtype=engine.dtype)  # fmt: skip
+            suffix = torch.zeros(1, tokens, lm.config.hidden_size, device=engine.device, dtype=engine.dtype)
+            kv = [like] * len(lm.layers)
+            graph = self._build(kv, kv, reused, padded_length(tokens), suffix)
+            if graph is not None and graph.graph is None:  # not capturing (the CPU tests): the same steps eagerly
+                self._forward(graph, self._prefix_cache(graph))
+        self.graphs.clear()
+        return explicit.compiled
+
+    def suffix_layers(self) -> SuffixLayers | None:
+        """The explicit attention of kernels/suffix_layer.py, compiled, where the decode layers compile
+        (`engine.compile_decode`: CUDA with Triton by default) and every layer is one it knows; else None."""
+        if self._layers is None:
+            engine = self.engine
+            compiled = self.capture and compiles_layers(engine.compile_decode, engine.device)
+            known = supports(engine.language_model, set(engine.catalogue.moe_layers))
+            use = known and (compiled or self.explicit_layers)
+            self._layers = SuffixLayers(engine.language_model, compile=compiled) if use else False
+        return self._layers or None
 
     def _capture(self, graph: SuffixGraph) -> torch.cuda.CUDAGraph:
         """Warm up on the capture stream (allocator, library handles), then capture; the caller replays."""

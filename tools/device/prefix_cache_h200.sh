@@ -4,7 +4,8 @@
 # checkpoint unless a warm machine kept it (/tmp/bench), then runs tools/bench/prefix_cache.py against a real
 # daemon on the GPU with every weight resident: time to first token of the second question about one image
 # against the first's (target <= 20%), and the identity of the second reply with a cold prefill; before that,
-# tools/device/prefix_cache_checks.py: that identity in process, a differing token judged by the near-tie rule.
+# tools/device/prefix_cache_checks.py: that identity in process, a differing token judged by the near-tie rule;
+# after it, tools/device/prefix_profile.py: the second question's host steps and its suffix graph's kernels.
 #   bash tools/device/prefix_cache_h200.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

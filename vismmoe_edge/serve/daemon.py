@@ -40,7 +40,7 @@ from vismmoe_edge.serve.protocol import (
 )
 from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
 from vismmoe_edge.serve.videos import VideoReader, check_request_media
-from vismmoe_edge.serve.warmup import warm_decoder
+from vismmoe_edge.serve.warmup import warm_decoder, warm_suffix_graphs
 from vismmoe_edge.serve.worker import Job, Worker, use_mmap_for_large_allocations
 
 if TYPE_CHECKING:
@@ -123,6 +123,8 @@ class Service:
         longest = self.limits.max_prompt_tokens + self.limits.max_tokens
         if (seconds := warm_decoder(self.engine, longest)) is not None:
             log.info("decoder ready for %d positions in %.1f s (serve/warmup.py)", longest, seconds)
+        if (seconds := warm_suffix_graphs(self.engine)) is not None:
+            log.info("the question after a cached frame compiled in %.1f s (serve/warmup.py)", seconds)
         self.estimate_tokens = visual_token_estimator(self.engine.processor)
         self.video_processor = video_processor_for(self.engine.processor, self.limits.video_max_pixels)
         text_config = self.engine.text_config

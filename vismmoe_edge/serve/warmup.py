@@ -11,8 +11,11 @@ statistics are reset after.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+log = logging.getLogger("vismmoe_edge.serve")
 
 WARMUP_PROMPT = "Hello."
 
@@ -41,3 +44,21 @@ def warm_decoder(engine: Any, positions: int) -> float | None:
     engine.generate_from_inputs(inputs, sampling, should_stop=two_tokens, use_cache=False)
     engine.experts.pipeline.reset_stats()
     return time.perf_counter() - start
+
+
+def warm_suffix_graphs(engine: Any) -> float | None:
+    """Compile the explicit attention of the question after a cached frame (suffix_graph.py,
+    kernels/suffix_layer.py) for two shapes, so that no request waits for it; returns the seconds it took, or None
+    where nothing compiles (the CPU, no prefix cache, layers that need the host). A failure is logged and turns
+    the suffix graphs off: the daemon serves on, prefilling such questions eagerly."""
+    if engine.prefix_cache is None:
+        return None
+    start = time.perf_counter()
+    try:
+        warmed = engine.suffix_graphs.warm()
+    except Exception:  # an optimisation's warm-up must not keep the daemon from serving
+        log.exception("warming the suffix graphs failed; prefilling questions after a cached frame eagerly")
+        engine.suffix_graphs.enabled = False
+        return None
+    engine.experts.pipeline.reset_stats()
+    return time.perf_counter() - start if warmed else None

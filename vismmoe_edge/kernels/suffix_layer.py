@@ -1,0 +1,111 @@
+"""A Qwen3-VL-MoE layer's attention for a few prompt rows after a reused prefix (a suffix graph's padded rows:
+suffix_graph.py), as explicit tensor code that torch.compile can fuse.
+
+Replayed from a suffix graph, transformers' eager layers launched 94 kernels a layer on an H200 (run 11: 4,512 for
+48 layers, 25.7 ms a replay, docs/benchmarks.md); the norms, the q/k norms, rotary, the K/V concatenation, the
+K/V repeated per group and the residual add are ~50 of them, a few microseconds each on a mostly idle GPU.
+Eagerly, `attend_rows` is transformers' computation op for op (RMSNorm, q/k norms, rotary, the cache's
+concatenation, sdpa_attention_forward with a mask: K/V repeated per group, o_proj, the residual, the
+post-attention norm): tests/test_suffix_layer.py checks it bit for bit on the CPU. Compiled (CUDA with Triton,
+`engine.compile_decode`), inductor fuses those ops into a few kernels and q, k and v are one GEMM of the stacked
+weight; a GPU check judges that by the near-tie rule (tools/device/prefix_cache_checks.py). The MoE block stays the
+module's own: a pinned layer's grouped GEMM (experts/compute.py). One compiled function serves every layer; a
+second suffix shape recompiles it once with dynamic lengths (torch.compile's automatic dynamic shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vismmoe_edge.kernels.decode_layer import AttentionShape, LayerTensors, rms_norm, rotate_half, stack_qkv
+
+
+def make_attend_rows(shape: AttentionShape) -> Callable[..., tuple[torch.Tensor, ...]]:
+    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
+    groups = heads // kv_heads
+
+    def attend_rows(
+        hidden: torch.Tensor,  # [1, P, H]: the residual stream
+        cos: torch.Tensor,  # [1, P, d]
+        sin: torch.Tensor,
+        prefix_keys: torch.Tensor,  # [1, kv_heads, R, d]: the reused prefix's K/V
+        prefix_values: torch.Tensor,
+        mask: torch.Tensor | None,  # [1, 1, P, R + P]: the padded causal mask
+        ln1: torch.Tensor,
+        q_w: torch.Tensor,
+        k_w: torch.Tensor,
+        v_w: torch.Tensor,
+        o_w: torch.Tensor,
+        q_norm: torch.Tensor,
+        k_norm: torch.Tensor,
+        ln2: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """-> (the residual after attention [1, P, H], its post-attention norm, the layer's K/V [1, kv_heads,
+        R + P, d] each)."""
+        rows = hidden.shape[1]
+        h = rms_norm(hidden, ln1, shape.eps)
+        if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (stack_qkv), one GEMM
+            q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        else:
+            q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
+        q = rms_norm(q.view(1, rows, heads, d), q_norm, shape.eps).transpose(1, 2)
+        k = rms_norm(k.view(1, rows, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
+        v = v.view(1, rows, kv_heads, d).transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q * c) + (rotate_half(q) * s)
+        k = (k * c) + (rotate_half(k) * s)
+        keys = torch.cat([prefix_keys, k], dim=-2)  # as the DynamicCache's update
+        values = torch.cat([prefix_values, v], dim=-2)
+        length = keys.shape[2]
+        kk = keys[:, :, None].expand(1, kv_heads, groups, length, d).reshape(1, heads, length, d)  # repeat_kv
+        vv = values[:, :, None].expand(1, kv_heads, groups, length, d).reshape(1, heads, length, d)
+        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, dropout_p=0.0, scale=shape.scaling)
+        out = out.reshape(1, -1, rows, d).transpose(1, 2).contiguous()
+        hidden = hidden + F.linear(out.reshape(1, rows, -1).contiguous(), o_w)
+        return hidden, rms_norm(hidden, ln2, shape.eps), keys, values
+
+    return attend_rows
+
+
+class SuffixLayers:
+    """`attend_rows` for every layer of a language model (kernels/decode_layer.supports), compiled once for all of
+    them when asked; a compiler failure warns and runs the same code eagerly."""
+
+    def __init__(self, language_model: Any, *, compile: bool) -> None:
+        first = language_model.layers[0]
+        a, config = first.self_attn, language_model.config
+        shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, a.head_dim, a.scaling,
+                               first.input_layernorm.variance_epsilon, first.mlp.gate.top_k)  # fmt: skip
+        self.tensors = [LayerTensors.of(layer) for layer in language_model.layers]
+        if compile:
+            for layer, t in zip(language_model.layers, self.tensors, strict=True):
+                t.q = stack_qkv(layer.self_attn)
+        self.eager = make_attend_rows(shape)
+        self.fn = torch.compile(self.eager, fullgraph=True) if compile else self.eager
+        self.compiled = compile
+        self._proven = not compile  # the function has returned once
+
+    def attend(
+        self, i: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], prefix_keys: torch.Tensor,
+        prefix_values: torch.Tensor, mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """Layer i's attention over `hidden` [1, P, H] after the prefix's K/V: (residual, normed, keys, values)."""
+        t = self.tensors[i]
+        args = (hidden, *cos_sin, prefix_keys, prefix_values, mask, t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm,
+                t.ln2)  # fmt: skip
+        if self._proven:
+            return self.fn(*args)
+        try:  # the compiler fails before any of its kernels runs: nothing has been written yet
+            out = self.fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises: the same computation, eagerly
+            warnings.warn(f"torch.compile of the suffix layers failed ({type(e).__name__}: {e}); running them "
+                          "eagerly", stacklevel=2)  # fmt: skip
+            self.fn, self.compiled = self.eager, False
+            out = self.fn(*args)
+        self._proven = True
+        return out
