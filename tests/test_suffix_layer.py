@@ -64,3 +64,30 @@ def test_the_suffix_layers_compile_only_on_cuda_and_fall_back_eagerly(checkpoint
         out = explicit.attend(0, hidden, cos_sin, prefix, prefix, None)
     assert not explicit.compiled and out[0].shape == hidden.shape and out[2].shape[2] == 5
     torch.testing.assert_close(out[1], eager.attend(0, hidden, cos_sin, prefix, prefix, None)[1])
+
+
+def test_compiled_after_two_shapes_it_takes_any_length_without_compiling_again(checkpoints) -> None:
+    """The daemon compiles the suffix attention for two shapes before READY (serve/warmup.py): from then on a
+    question after any prefix, padded to any length, must not wait for the compiler. Compiled here by inductor's
+    CPU backend (on CUDA its Triton one); its outputs are the eager ones within bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"], dtype=torch.bfloat16).eval()
+    lm = model.model.language_model
+    eager, compiled = SuffixLayers(lm, compile=False), SuffixLayers(lm, compile=True)
+    kv_heads, head_dim = lm.config.num_key_value_heads, lm.layers[0].self_attn.head_dim
+    g = torch.Generator().manual_seed(7)
+    counters.clear()
+    with torch.inference_mode():
+        for reused, rows in ((24, 8), (40, 16), (27, 32), (33, 8)):  # the daemon's two, then two others
+            pk, pv = (torch.randn(1, kv_heads, reused, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+            cache = DynamicCache(config=lm.config)
+            restore_prefix(cache, [pk] * len(lm.layers), [pv] * len(lm.layers), reused)
+            hidden = torch.randn(1, rows, lm.config.hidden_size, generator=g).to(torch.bfloat16)
+            ones = torch.ones(1, reused + rows, dtype=torch.long)
+            mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=ones, cache=cache)
+            cos_sin = lm.rotary_emb(hidden, torch.arange(reused, reused + rows).view(1, 1, -1).expand(3, 1, -1))
+            for ours, theirs in zip(compiled.attend(0, hidden, cos_sin, pk, pv, mask),
+                                    eager.attend(0, hidden, cos_sin, pk, pv, mask), strict=True):  # fmt: skip
+                torch.testing.assert_close(ours.float(), theirs.float(), atol=0.05, rtol=0.05)
+    assert compiled.compiled and counters["stats"]["unique_graphs"] == 2
