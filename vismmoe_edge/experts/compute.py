@@ -135,10 +135,10 @@ class OffloadedExperts(nn.Module):
         for hook in rt.route_hooks:
             hook(self.layer, x, index, weights)
         start = time.perf_counter()
-        pipeline.begin_pinned_layer(self.layer, index, self.num_experts, rt.counted_rows)
         if rt.counted_rows is not None:  # a captured suffix's padding rows (discarded) take the first row's experts:
-            # routed as they come, each could read up to k experts' weights the question itself does not
+            # routed as they come, each could read up to k experts' weights the question does not, and count hits
             index = torch.where(rt.counted_rows[:, None], index, index[:1])
+        pipeline.begin_pinned_layer(self.layer, index, self.num_experts)
         slots = (index + first).to(pipeline.tier.pool.device)
         out = self.pool_compute(x, slots, weights, run=(first, self.num_experts))
         pipeline.record_compute(time.perf_counter() - start)

@@ -184,15 +184,11 @@ class ExpertPipeline:
                 self._lock.notify_all()
         return ready + waiting
 
-    def begin_pinned_layer(
-        self, layer: int, experts: torch.Tensor, num_experts: int, counted_rows: torch.Tensor | None = None
-    ) -> None:
+    def begin_pinned_layer(self, layer: int, experts: torch.Tensor, num_experts: int) -> None:
         """A layer whose experts are all pinned, routed to `experts` [T, k] (on the device): its hits, one per
         distinct expert as `acquire` counts them, are counted on the device and read by `count_pinned_hits`, so
-        the layer needs no host synchronisation (OffloadedExperts.pinned_forward). Rows that `counted_rows` [T]
-        (bool) leaves out, padding, count as the first row, which counts anyway."""
-        if counted_rows is not None:
-            experts = torch.where(counted_rows[:, None], experts, experts[:1])
+        the layer needs no host synchronisation (OffloadedExperts.pinned_forward, which routes a suffix graph's
+        padding rows as its first row before: they count no hit of their own)."""
         seen = torch.zeros(num_experts, dtype=torch.bool, device=experts.device)
         self.log_pinned_layer(layer, seen.index_fill_(0, experts.reshape(-1), True).sum())
 
