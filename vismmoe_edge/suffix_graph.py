@@ -237,7 +237,7 @@ class SuffixGraphs:
             graph = self._build(kv, kv, reused, padded_length(tokens), suffix)
             if graph is not None and graph.graph is None:  # not capturing (the CPU tests): the same steps eagerly
                 self._forward(graph, self._prefix_cache(graph))
-        self.graphs.clear()
+            self.graphs.pop((reused, padded_length(tokens)), None)  # built for the compiler only
         return explicit.compiled
 
     def suffix_layers(self) -> SuffixLayers | None:
