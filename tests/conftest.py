@@ -81,3 +81,16 @@ def cold_checkpoints(checkpoints, tmp_path: Path) -> dict[str, Path]:
         for shard in path.glob("*.safetensors"):
             assert pagecache.evict_file(shard, attempts=50) == 0, f"{shard} stays in the page cache"
     return copies
+
+
+@pytest.fixture()
+def no_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile whose compiled functions raise when called, as a compiler without its C toolchain does."""
+
+    def failing_compile(fn, **kwargs):  # type: ignore[no-untyped-def]
+        def fail(*args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no C compiler")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", failing_compile)

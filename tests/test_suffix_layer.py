@@ -42,18 +42,10 @@ def test_attend_rows_is_transformers_attention_after_a_reused_prefix(checkpoints
             hidden = torch.randn(1, rows, lm.config.hidden_size, generator=g).to(dtype)  # each layer its own rows
 
 
-def test_the_suffix_layers_compile_only_on_cuda_and_fall_back_eagerly(checkpoints, monkeypatch) -> None:
+def test_the_suffix_layers_compile_only_on_cuda_and_fall_back_eagerly(checkpoints, no_compiler: None) -> None:
     """A compiler failure runs the same code eagerly, with a warning; the CPU never compiles them."""
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"]).eval()
     lm = model.model.language_model
-
-    def no_compiler(fn, **kwargs):  # type: ignore[no-untyped-def]
-        def fail(*args):  # type: ignore[no-untyped-def]
-            raise RuntimeError("no C compiler")
-
-        return fail
-
-    monkeypatch.setattr(torch, "compile", no_compiler)
     explicit = SuffixLayers(lm, compile=True)
     eager = SuffixLayers(lm, compile=False)
     kv_heads, head_dim = lm.config.num_key_value_heads, lm.layers[0].self_attn.head_dim
