@@ -15,7 +15,7 @@ from vismmoe_edge.prefix_cache import restore_prefix
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_rows_is_transformers_attention_after_a_reused_prefix(checkpoints, dtype: torch.dtype) -> None:
+def test_attend_rows_is_transformers_attention_and_router_after_a_reused_prefix(checkpoints, dtype) -> None:
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(checkpoints["v5"], dtype=dtype).eval()
     lm = model.model.language_model
     assert supports(lm, set(range(len(lm.layers))))
@@ -33,12 +33,15 @@ def test_attend_rows_is_transformers_attention_after_a_reused_prefix(checkpoints
         mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=ones, cache=cache)
         cos_sin = lm.rotary_emb(hidden, positions)
         for i, layer in enumerate(lm.layers):
-            a, normed, keys, values = explicit.attend(i, hidden, cos_sin, prefix[0, i], prefix[1, i], mask)
+            a, normed, keys, values, index, weights = explicit.attend(i, hidden, cos_sin, prefix[0, i],
+                                                                      prefix[1, i], mask)  # fmt: skip
             attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=cos_sin,
                                       attention_mask=mask, cache=cache)  # fmt: skip
             b = hidden + attn
             assert torch.equal(a, b) and torch.equal(normed, layer.post_attention_layernorm(b)), i
             assert torch.equal(keys, cache.layers[i].keys) and torch.equal(values, cache.layers[i].values), i
+            _, their_weights, their_index = layer.mlp.gate(normed.view(rows, -1))
+            assert torch.equal(index, their_index) and torch.equal(weights, their_weights), i
             hidden = torch.randn(1, rows, lm.config.hidden_size, generator=g).to(dtype)  # each layer its own rows
 
 
@@ -79,7 +82,13 @@ def test_compiled_after_two_shapes_it_takes_any_length_without_compiling_again(c
             ones = torch.ones(1, reused + rows, dtype=torch.long)
             mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=ones, cache=cache)
             cos_sin = lm.rotary_emb(hidden, torch.arange(reused, reused + rows).view(1, 1, -1).expand(3, 1, -1))
-            for ours, theirs in zip(compiled.attend(0, hidden, cos_sin, pk, pv, mask),
-                                    eager.attend(0, hidden, cos_sin, pk, pv, mask), strict=True):  # fmt: skip
-                torch.testing.assert_close(ours.float(), theirs.float(), atol=0.05, rtol=0.05)
+            ours, theirs = (
+                compiled.attend(0, hidden, cos_sin, pk, pv, mask),
+                eager.attend(0, hidden, cos_sin, pk, pv, mask),
+            )
+            for a, b in zip(ours[:4], theirs[:4], strict=True):  # the float outputs; the router's picks may flip
+                torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)  # at a bf16 near-tie
+            index, weights = ours[4:]
+            assert index.shape == weights.shape == theirs[4].shape == (rows, lm.config.num_experts_per_tok)
+            torch.testing.assert_close(weights.float().sum(-1), torch.ones(rows), atol=0.02, rtol=0)
     assert compiled.compiled and counters["stats"]["unique_graphs"] == 2

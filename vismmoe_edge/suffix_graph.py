@@ -7,12 +7,12 @@ and the GPU waits for them. One graph is kept per (reused positions, padded leng
 power of two of at least 8 tokens with zero rows after the real ones: the causal mask keeps them out of every
 real token's attention, their KV is cut off after the replay, their experts count no hits
 (ExpertRuntime.counted_rows) and they are routed as the first row, so they read no expert of their own. Where the
-decode layers compile (`engine.compile_decode`: CUDA with Triton), each layer's attention is the explicit code of
-kernels/suffix_layer.py compiled by torch.compile (run 11: transformers' eager layers launched 94 kernels a layer
-into the graph), then the layer's own MoE block; the daemon compiles it before READY (`warm`). Before a replay
-the suffix's embeddings, its rotary angles and each layer's reused KV are copied into the graph's input buffers;
-after it, the last hidden state and each layer's KV are copied out, so nothing outside this module keeps graph
-memory.
+decode layers compile (`engine.compile_decode`: CUDA with Triton), each layer's attention and router are the
+explicit code of kernels/suffix_layer.py compiled by torch.compile (run 11: transformers' eager layers launched 94
+kernels a layer into the graph), then the layer's own experts; the daemon compiles it before READY (`warm`).
+Before a replay the suffix's embeddings, its rotary angles and each layer's reused KV are copied into the graph's
+input buffers; after it, the last hidden state and each layer's KV are copied out, so nothing outside this module
+keeps graph memory.
 
 It applies (`SuffixGraphs.applies`) where every step inside the layers is a device op with no host
 synchronisation: CUDA with graphs on, every MoE layer pinned in a slot pool of float experts
@@ -205,12 +205,13 @@ class SuffixGraphs:
             for i, layer in enumerate(lm.layers):
                 if explicit is None:  # transformers' layer
                     hidden = layer(hidden, attention_mask=graph.mask, cache=cache, position_embeddings=angles)
-                else:  # the same attention as explicit tensor code (compiled on CUDA), then the module's MoE block
+                else:  # attention and router as explicit tensor code (compiled on CUDA), then the layer's experts
                     prefix = (graph.prefix_keys[i], graph.prefix_values[i])
-                    hidden, normed, k, v = explicit.attend(i, hidden, angles, *prefix, graph.mask)
+                    hidden, normed, k, v, index, weights = explicit.attend(i, hidden, angles, *prefix, graph.mask)
                     keys.append(k)
                     values.append(v)
-                    hidden = hidden + layer.mlp(normed)
+                    rows = normed.view(-1, normed.shape[-1])  # as Qwen3VLMoeTextSparseMoeBlock hands them over
+                    hidden = hidden + layer.mlp.experts(rows, index, weights).view_as(hidden)
                 hidden = engine.ops.after_layer(lm, i, hidden, None, [])
         finally:
             rt.counted_rows = None

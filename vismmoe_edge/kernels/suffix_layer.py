@@ -8,7 +8,8 @@ Eagerly, `attend_rows` is transformers' computation op for op (RMSNorm, q/k norm
 concatenation, sdpa_attention_forward with a mask: K/V repeated per group, o_proj, the residual, the
 post-attention norm): tests/test_suffix_layer.py checks it bit for bit on the CPU. Compiled (CUDA with Triton,
 `engine.compile_decode`), inductor fuses those ops into a few kernels and q, k and v are one GEMM of the stacked
-weight; a GPU check judges that by the near-tie rule (tools/device/prefix_cache_checks.py). The MoE block stays the
+weight; a GPU check judges that by the near-tie rule (tools/device/prefix_cache_checks.py). The router's softmax,
+top-k and renormalisation follow in the same function (Qwen3VLMoeTextTopKRouter's ops); the experts stay the
 module's own: a pinned layer's grouped GEMM (experts/compute.py). One compiled function serves every layer; a
 second suffix shape recompiles it once with dynamic lengths (torch.compile's automatic dynamic shapes).
 """
@@ -44,9 +45,11 @@ def make_attend_rows(shape: AttentionShape) -> Callable[..., tuple[torch.Tensor,
         q_norm: torch.Tensor,
         k_norm: torch.Tensor,
         ln2: torch.Tensor,
+        router: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """-> (the residual after attention [1, P, H], its post-attention norm, the layer's K/V [1, kv_heads,
-        R + P, d] each)."""
+        R + P, d] each, the router's top-k experts [P, k] and their weights [P, k], as
+        Qwen3VLMoeTextTopKRouter gives them to the layer's experts)."""
         rows = hidden.shape[1]
         h = rms_norm(hidden, ln1, shape.eps)
         if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (stack_qkv), one GEMM
@@ -67,7 +70,10 @@ def make_attend_rows(shape: AttentionShape) -> Callable[..., tuple[torch.Tensor,
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, dropout_p=0.0, scale=shape.scaling)
         out = out.reshape(1, -1, rows, d).transpose(1, 2).contiguous()
         hidden = hidden + F.linear(out.reshape(1, rows, -1).contiguous(), o_w)
-        return hidden, rms_norm(hidden, ln2, shape.eps), keys, values
+        normed = rms_norm(hidden, ln2, shape.eps)
+        logits = F.linear(normed.reshape(rows, -1), router)
+        p, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), shape.top_k, dim=-1)
+        return hidden, normed, keys, values, index, (p / p.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
     return attend_rows
 
@@ -94,10 +100,11 @@ class SuffixLayers:
         self, i: int, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], prefix_keys: torch.Tensor,
         prefix_values: torch.Tensor, mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """Layer i's attention over `hidden` [1, P, H] after the prefix's K/V: (residual, normed, keys, values)."""
+        """Layer i's attention over `hidden` [1, P, H] after the prefix's K/V, and its router: (residual, normed,
+        keys, values, experts, weights)."""
         t = self.tensors[i]
         args = (hidden, *cos_sin, prefix_keys, prefix_values, mask, t.ln1, t.q, t.k, t.v, t.o, t.q_norm, t.k_norm,
-                t.ln2)  # fmt: skip
+                t.ln2, t.router)  # fmt: skip
         if self._proven:
             return self.fn(*args)
         try:  # the compiler fails before any of its kernels runs: nothing has been written yet
