@@ -234,11 +234,11 @@ class SuffixGraphs:
             like = torch.zeros(1, lm.config.num_key_value_heads, reused, attention.head_dim, device=engine.device,
                                dtype=engine.dtype)  # fmt: skip
             suffix = torch.zeros(1, tokens, lm.config.hidden_size, device=engine.device, dtype=engine.dtype)
-            kv = [like] * len(lm.layers)
-            graph = self._build(kv, kv, reused, padded_length(tokens), suffix)
+            kv, padded = [like] * len(lm.layers), padded_length(tokens)
+            graph = self._build(kv, kv, reused, padded, suffix)
             if graph is not None and graph.graph is None:  # not capturing (the CPU tests): the same steps eagerly
                 self._forward(graph, self._prefix_cache(graph))
-            self.graphs.pop((reused, padded_length(tokens)), None)  # built for the compiler only
+            self.graphs.pop((reused, padded), None)  # built for the compiler only
         return explicit.compiled
 
     def suffix_layers(self) -> SuffixLayers | None:

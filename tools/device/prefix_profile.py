@@ -34,10 +34,6 @@ from prefix_cache import FIRST, SECOND, tinted  # noqa: E402
 QUESTIONS = ["How many shapes are there?", "Is the path clear?", "Where is the cup?", "Read the label."]
 
 
-def messages(question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -86,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import vismmoe_edge
     from vismmoe_edge import seen_frames
     from vismmoe_edge.prefix_cache import PrefixCache
+    from vismmoe_edge.prompt import build_messages
     from vismmoe_edge.results import Timings
     from vismmoe_edge.sampling import SamplingConfig
 
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     def first(data: bytes) -> None:
         from PIL import Image
 
-        inputs = engine.encode_messages(messages(FIRST), [Image.open(io.BytesIO(data)).convert("RGB")])
+        inputs = engine.encode_messages(build_messages(FIRST, 1), [Image.open(io.BytesIO(data)).convert("RGB")])
         engine.generate_from_inputs(inputs, one)
         seen_frames.remember(engine, seen_frames.frame_keys(engine, [data]), inputs)
 
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         sync(device)
         t0 = time.perf_counter()
         frames = seen_frames.frame_keys(engine, [data])
-        inputs = seen_frames.encode_seen(engine, messages(question), frames)
+        inputs = seen_frames.encode_seen(engine, build_messages(question, 1), frames)
         assert inputs is not None, "the frame was not seen"
         t1 = time.perf_counter()
         timings = Timings()

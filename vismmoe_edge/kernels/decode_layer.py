@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from vismmoe_edge.kernels.decode_attention import decode_attention
 from vismmoe_edge.kernels.decode_router import route_topk
@@ -81,6 +82,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotated_qkv(
+    h: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, q_norm: torch.Tensor,
+    k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttentionShape,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The normed input h [1, T, H] -> q [1, heads, T, d], k and v [1, kv_heads, T, d]: the projections, the q/k
+    norms and rotary, as Qwen3VLMoeTextAttention computes them. A q_w taller than q's rows is the layer's q, k and
+    v stacked (stack_qkv, compiled only): one GEMM."""
+    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
+    rows = h.shape[1]
+    if q_w.shape[0] > heads * d:
+        q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    else:
+        q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
+    q = rms_norm(q.view(1, rows, heads, d), q_norm, shape.eps).transpose(1, 2)
+    k = rms_norm(k.view(1, rows, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
+    v = v.view(1, rows, kv_heads, d).transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * c) + (rotate_half(q) * s), (k * c) + (rotate_half(k) * s), v
+
+
 def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
     groups = heads // kv_heads
@@ -108,17 +129,7 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         for row in range(1, experts.shape[0]):  # pointwise adds, which inductor fuses into the norm's kernel: a
             summed = summed + experts[row]  # sum(0) was a Triton kernel of its own, 48 a token in run 9's profile
         hidden.add_(summed.to(hidden.dtype).view_as(hidden))
-        h = rms_norm(hidden, ln1, shape.eps)
-        if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (FusedLayers), one GEMV
-            q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        else:
-            q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
-        q = rms_norm(q.view(1, 1, heads, d), q_norm, shape.eps).transpose(1, 2)
-        k = rms_norm(k.view(1, 1, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
-        v = v.view(1, 1, kv_heads, d).transpose(1, 2)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q * c) + (rotate_half(q) * s)
-        k = (k * c) + (rotate_half(k) * s)
+        q, k, v = rotated_qkv(rms_norm(hidden, ln1, shape.eps), q_w, k_w, v_w, q_norm, k_norm, cos, sin, shape)
         keys.index_copy_(2, length, k)
         values.index_copy_(2, length, v)
         visible = positions <= length
@@ -127,9 +138,8 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         if torch.compiler.is_compiling() and keys.is_cuda and HAS_TRITON:  # split-KV kernels (module docstring)
             out = decode_attention(q, keys, values, length, shape.scaling)
         elif torch.compiler.is_compiling():  # transformers' sdpa path under compilation: K/V repeated per group
-            kk = keys[:, :, None].expand(1, kv_heads, groups, keys.shape[2], d).reshape(1, heads, -1, d)
-            vv = values[:, :, None].expand(1, kv_heads, groups, keys.shape[2], d).reshape(1, heads, -1, d)
-            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=shape.scaling)
+            out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups),
+                                                 attn_mask=mask, scale=shape.scaling)  # fmt: skip
         else:  # ... and eager, one query: the query heads packed per K/V head (transformers' pack_gqa)
             out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups, d), keys, values, attn_mask=mask,
                                                  scale=shape.scaling)  # fmt: skip

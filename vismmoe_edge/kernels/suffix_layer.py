@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
 
-from vismmoe_edge.kernels.decode_layer import AttentionShape, LayerTensors, rms_norm, rotate_half, stack_qkv
+from vismmoe_edge.kernels.decode_layer import AttentionShape, LayerTensors, rms_norm, rotated_qkv, stack_qkv
 
 
 def make_attend_rows(shape: AttentionShape) -> Callable[..., tuple[torch.Tensor, ...]]:
-    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
-    groups = heads // kv_heads
+    groups = shape.heads // shape.kv_heads
 
     def attend_rows(
         hidden: torch.Tensor,  # [1, P, H]: the residual stream
@@ -51,24 +51,12 @@ def make_attend_rows(shape: AttentionShape) -> Callable[..., tuple[torch.Tensor,
         R + P, d] each, the router's top-k experts [P, k] and their weights [P, k], as
         Qwen3VLMoeTextTopKRouter gives them to the layer's experts)."""
         rows = hidden.shape[1]
-        h = rms_norm(hidden, ln1, shape.eps)
-        if q_w.shape[0] > heads * d:  # compiled: q_w is the layer's q, k and v stacked (stack_qkv), one GEMM
-            q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        else:
-            q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
-        q = rms_norm(q.view(1, rows, heads, d), q_norm, shape.eps).transpose(1, 2)
-        k = rms_norm(k.view(1, rows, kv_heads, d), k_norm, shape.eps).transpose(1, 2)
-        v = v.view(1, rows, kv_heads, d).transpose(1, 2)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q * c) + (rotate_half(q) * s)
-        k = (k * c) + (rotate_half(k) * s)
+        q, k, v = rotated_qkv(rms_norm(hidden, ln1, shape.eps), q_w, k_w, v_w, q_norm, k_norm, cos, sin, shape)
         keys = torch.cat([prefix_keys, k], dim=-2)  # as the DynamicCache's update
         values = torch.cat([prefix_values, v], dim=-2)
-        length = keys.shape[2]
-        kk = keys[:, :, None].expand(1, kv_heads, groups, length, d).reshape(1, heads, length, d)  # repeat_kv
-        vv = values[:, :, None].expand(1, kv_heads, groups, length, d).reshape(1, heads, length, d)
-        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, dropout_p=0.0, scale=shape.scaling)
-        out = out.reshape(1, -1, rows, d).transpose(1, 2).contiguous()
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask,
+                                             dropout_p=0.0, scale=shape.scaling)  # fmt: skip
+        out = out.reshape(1, -1, rows, shape.head_dim).transpose(1, 2).contiguous()
         hidden = hidden + F.linear(out.reshape(1, rows, -1).contiguous(), o_w)
         normed = rms_norm(hidden, ln2, shape.eps)
         logits = F.linear(normed.reshape(rows, -1), router)
