@@ -31,6 +31,7 @@ from vismmoe_edge.experts.promotion import promotions_per_token
 from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
+from vismmoe_edge.kernels.dense_gemv import gemv_projections
 from vismmoe_edge.models.ops import PrefillOps, visual_features
 from vismmoe_edge.prefix_cache import PrefixCache, restore_prefix
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
@@ -111,7 +112,10 @@ class Engine:
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
         self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
-        self._decoders: dict[tuple[int, bool, bool, bool], StaticDecoder] = {}  # (top-k, device, mapped, fused)
+        # ... its projections computed by the Triton GEMV of kernels/dense_gemv.py where compiled ("o,router")
+        self.decode_gemv = gemv_projections()
+        # (top-k, device, mapped, fused, the Triton GEMV's projections)
+        self._decoders: dict[tuple[int, bool, bool, bool, frozenset[str]], StaticDecoder] = {}
         self.suffix_graphs = SuffixGraphs(self)
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -387,7 +391,7 @@ class Engine:
         on_device = self.uses_device_decode()
         mapped = on_device and reads_host_in_place(self.device_decode_mapped, self)
         fused = on_device and compiles_layers(self.compile_decode, self.device)
-        mode = (routed_k, on_device, mapped, fused)
+        mode = (routed_k, on_device, mapped, fused, self.decode_gemv if fused else frozenset())
         decoder = self._decoders.get(mode)
         if decoder is None or decoder.cache.capacity < capacity:
             if (old := self._decoders.pop(mode, None)) is not None and old.on_device:

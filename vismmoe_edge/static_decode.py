@@ -243,7 +243,7 @@ class StaticDecoder:
             compile = on_gpu and HAS_TRITON
             if on_gpu and not compile:
                 warnings.warn("torch.compile needs Triton: the decode layers run eagerly", stacklevel=2)
-            self.fused = FusedLayers(self.lm, compile=compile)
+            self.fused = FusedLayers(self.lm, compile=compile, gemv=engine.decode_gemv)
             # the first layer's "previous experts": zeros of the shape the Triton path gives (one compilation)
             self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
+from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, gemv_projections  # noqa: E402
 
 IMAGE_SIDE = int(os.environ.get("BENCH_IMAGE_SIDE", 1056))  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a smoke run of the harness on a tiny checkpoint
@@ -236,7 +237,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
-              ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN) -> dict:  # fmt: skip
+              ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN,
+              gemv: str = DEFAULT_PROJECTIONS) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -249,6 +251,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
     engine.decode_ahead = ahead  # ... each token launched before the host reads the one before it
     engine.promotions_per_token = promotions  # ... and up to this many experts it read in place moved into slots
+    engine.decode_gemv = gemv_projections(gemv)  # ... the compiled projections on the Triton GEMV (dense_gemv.py)
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -525,7 +528,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
-                    "device-resident-compiled-serial (no token launched ahead), device-popularity, device-mapped, "
+                    "device-resident-compiled-serial (no token launched ahead), device-resident-compiled-cublas "
+                    "(no Triton GEMV), device-popularity, device-mapped, "
                     "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, "
@@ -571,7 +575,8 @@ def main() -> None:
     profiles: list[dict] = []
     engines: dict[str, object] = {}
     if not args.baselines_only:
-        if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial"}:
+        if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial",
+                     "device-resident-compiled-cublas"}:  # fmt: skip
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
                        "device-mapped-promotion-8", "budget-default"}  # fmt: skip
@@ -596,7 +601,10 @@ def main() -> None:
                 ("all-resident", "device-resident", {"device_decode": "auto"}),
                 ("all-resident", "device-resident-compiled", {"device_decode": "auto", "compiled": True}),
                 ("all-resident", "device-resident-compiled-serial",
-                 {"device_decode": "auto", "compiled": True, "ahead": "off"}),  # fmt: skip
+                 {"device_decode": "auto", "compiled": True, "ahead": "off"}),
+                # compiled, every projection on cuBLAS (before dense_gemv.py): what the Triton GEMV gives
+                ("all-resident", "device-resident-compiled-cublas", {"device_decode": "auto", "compiled": True,
+                                                                     "gemv": ""}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
                 # the same with up to 8 experts read in place promoted into slots a token (off by default since

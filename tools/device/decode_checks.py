@@ -11,6 +11,8 @@
   prefill's dequantize kernel against the torch ops it replaced (bit-equal, both timed), reported only;
 - one layer's attention at 30B-A3B shapes (32/4 heads, d 128, bf16, capacities 1536 and 4096) in a graph: the
   split-KV Triton kernel (kernels/decode_attention.py) against the compiled SDPA path it replaced.
+- the dense projections at 30B-A3B shapes (o_proj, the router, q/k/v stacked; bf16, one row) in a graph: the
+  Triton GEMV (kernels/dense_gemv.py) against cuBLAS, with their byte bounds.
     python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
 `--compile`: the equivalence checks with each layer's attention and router compiled (kernels/decode_layer.py),
 and the host syncs of the compiled token.
@@ -206,6 +208,35 @@ def attention_at(capacity: int, hbm: float) -> dict:
     return {"ok": err < 2e-2 and kernel_us < sdpa_us, "splits": num_splits(capacity, kv_heads),
             "kernel_us": kernel_us, "compiled_sdpa_us": sdpa_us, "kv_byte_bound_us": bound_us,
             "max_abs_error": err}  # fmt: skip
+
+
+def dense_projections() -> dict:
+    """The compiled token's dense projections at 30B-A3B shapes (bf16, one row), each in a graph: the Triton GEMV
+    (kernels/dense_gemv.py) against F.linear (cuBLAS), with the byte bound at the HBM bandwidth and the largest
+    difference from the float64 product in units of the output's bf16 rounding step. Passes where both are within
+    rounding and the Triton GEMV is the faster for the projections it takes by default (o, router)."""
+    from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, dense_gemv, dense_gemv_reference
+    from vismmoe_edge.kernels.moe_decode import HAS_TRITON
+
+    if not HAS_TRITON:
+        return {"ok": True, "skipped": "no Triton"}
+    hbm = hbm_bandwidth(timed)
+    out: dict = {"hbm_gb_s": hbm / 1e9}
+    ok = True
+    for name, (n, k) in {"o": (2048, 4096), "router": (128, 2048), "qkv": (5120, 2048)}.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        ref = dense_gemv_reference(x, w).double()
+        step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
+        steps = {f: float(((y.double() - ref).abs() / step).max()) for f, y in
+                 (("triton", dense_gemv(x, w)), ("cublas", F.linear(x, w)))}  # fmt: skip
+        triton_us = timed(in_graph(lambda x=x, w=w: dense_gemv(x, w)))
+        cublas_us = timed(in_graph(lambda x=x, w=w: F.linear(x, w)))
+        faster = triton_us < cublas_us or name not in DEFAULT_PROJECTIONS.split(",")
+        ok = ok and faster and max(steps.values()) <= 1.0
+        out[name] = {"shape": [n, k], "triton_us": triton_us, "cublas_us": cublas_us,
+                     "byte_bound_us": n * k * 2 / hbm * 1e6, "rounding_steps_from_float64": steps}  # fmt: skip
+    return {"ok": ok, **out}
 
 
 def hbm_bandwidth(timed) -> float:  # type: ignore[no-untyped-def]
@@ -448,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_layer:
         checks.run("one MoE layer against its byte bound", moe_layer)
         checks.run("one layer's attention: split-KV kernel against compiled SDPA", attention_layer)
+        checks.run("dense projections: the Triton GEMV against cuBLAS", dense_projections)
     args.out.write_text(json.dumps(checks.results, indent=1))
     return 0 if all(r["status"] != "fail" for r in checks.results) else 1
 

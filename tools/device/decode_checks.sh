@@ -22,7 +22,7 @@
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
 #                                                 equivalence checks and host syncs, the one-MoE-layer and
 #                                                 attention timings, then discrete.py resident: device path eager,
-#                                                 compiled, and compiled without launching ahead, against
+#                                                 compiled, and compiled with every projection on cuBLAS, against
 #                                                 transformers' static cache, with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
@@ -73,7 +73,7 @@ compiled)
     timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
     timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --repeats "${REPEATS:-2}" --strategies device-resident,device-resident-compiled,device-resident-compiled-serial \
+        --repeats "${REPEATS:-2}" --strategies device-resident,device-resident-compiled,device-resident-compiled-cublas \
         --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"

@@ -15,7 +15,8 @@ whole capacity, still what a compile without Triton or CUDA runs) was the costli
 H200 at 30B-A3B shapes: the mem-efficient SDPA kernel 61 us per layer (one query at batch 1 gives it too few
 programs for ~3 MB of K/V, <1 us at HBM speed), plus ~10 us per layer writing the repeated K/V. Likewise the
 router's softmax, top-k and renormalisation are one Triton program (kernels/decode_router.py) instead of
-torch.topk's two kernels (8.5 us a layer).
+torch.topk's two kernels (8.5 us a layer), and o_proj and the router's GEMV are kernels/dense_gemv.py's
+(`VISMMOE_DECODE_GEMV`) instead of cuBLAS's split-K pair and latency-bound GEMV.
 
 Compiled kernels may round differently from eager ones (inductor keeps a fused norm in float32 where eager
 rounds to bf16 between ops), so a compiled decode is checked on the GPU under the near-tie rule
@@ -35,6 +36,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from vismmoe_edge.kernels.decode_attention import decode_attention
 from vismmoe_edge.kernels.decode_router import route_topk
+from vismmoe_edge.kernels.dense_gemv import dense_gemv
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, lookup
 
 
@@ -84,15 +86,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotated_qkv(
     h: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, q_norm: torch.Tensor,
-    k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttentionShape,
+    k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: AttentionShape, gemv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The normed input h [1, T, H] -> q [1, heads, T, d], k and v [1, kv_heads, T, d]: the projections, the q/k
     norms and rotary, as Qwen3VLMoeTextAttention computes them. A q_w taller than q's rows is the layer's q, k and
-    v stacked (stack_qkv, compiled only): one GEMM."""
+    v stacked (stack_qkv, compiled only): one GEMM (`gemv`: the Triton GEMV of `project`, for one row)."""
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
     rows = h.shape[1]
     if q_w.shape[0] > heads * d:
-        q, k, v = F.linear(h, q_w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k, v = project(h, q_w, gemv and rows == 1).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     else:
         q, k, v = F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
     q = rms_norm(q.view(1, rows, heads, d), q_norm, shape.eps).transpose(1, 2)
@@ -102,7 +104,15 @@ def rotated_qkv(
     return (q * c) + (rotate_half(q) * s), (k * c) + (rotate_half(k) * s), v
 
 
-def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
+def project(x: torch.Tensor, w: torch.Tensor, gemv: bool) -> torch.Tensor:
+    """F.linear of one row x [..., K]; compiled on CUDA with `gemv`, kernels/dense_gemv.py's Triton GEMV."""
+    if gemv and torch.compiler.is_compiling() and x.is_cuda and HAS_TRITON:
+        return dense_gemv(x.reshape(1, -1), w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
+
+
+def make_attend(shape: AttentionShape, gemv: frozenset[str] = frozenset()) -> Callable[..., torch.Tensor]:
+    """`gemv`: the projections (dense_gemv.PROJECTIONS) the compiled layer computes with the Triton GEMV."""
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
     groups = heads // kv_heads
 
@@ -129,7 +139,8 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
         for row in range(1, experts.shape[0]):  # pointwise adds, which inductor fuses into the norm's kernel: a
             summed = summed + experts[row]  # sum(0) was a Triton kernel of its own, 48 a token in run 9's profile
         hidden.add_(summed.to(hidden.dtype).view_as(hidden))
-        q, k, v = rotated_qkv(rms_norm(hidden, ln1, shape.eps), q_w, k_w, v_w, q_norm, k_norm, cos, sin, shape)
+        q, k, v = rotated_qkv(rms_norm(hidden, ln1, shape.eps), q_w, k_w, v_w, q_norm, k_norm, cos, sin, shape,
+                              gemv="qkv" in gemv)  # fmt: skip
         keys.index_copy_(2, length, k)
         values.index_copy_(2, length, v)
         visible = positions <= length
@@ -144,20 +155,20 @@ def make_attend(shape: AttentionShape) -> Callable[..., torch.Tensor]:
             out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups, d), keys, values, attn_mask=mask,
                                                  scale=shape.scaling)  # fmt: skip
         out = out.reshape(1, -1, 1, d).transpose(1, 2).contiguous().reshape(1, 1, -1)
-        hidden.add_(F.linear(out, o_w))
+        hidden.add_(project(out, o_w, "o" in gemv))
         return rms_norm(hidden, ln2, shape.eps)
 
     return attend
 
 
-def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+def make_route(top_k: int, gemv: frozenset[str] = frozenset()) -> Callable[..., tuple[torch.Tensor, ...]]:
     def route(
         x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
         transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table; `record` writes the
         index and the miss flag into the token's `routing` [k] and `missed` [] rows."""
-        logits = F.linear(x, weight)
+        logits = project(x, weight, "router" in gemv)
         if torch.compiler.is_compiling() and logits.is_cuda and HAS_TRITON:  # one program (decode_router.py)
             index, top = route_topk(logits, top_k)
         else:
@@ -223,7 +234,7 @@ def supports(language_model: Any, moe_layers: set[int]) -> bool:
 class FusedLayers:
     """`attend` and `route` for every layer of a language model, compiled once for all of them when asked."""
 
-    def __init__(self, language_model: Any, *, compile: bool) -> None:
+    def __init__(self, language_model: Any, *, compile: bool, gemv: frozenset[str] = frozenset()) -> None:
         first = language_model.layers[0]
         a = first.self_attn
         config = language_model.config
@@ -233,7 +244,7 @@ class FusedLayers:
         if compile:
             for layer, t in zip(language_model.layers, self.tensors, strict=True):
                 t.q = stack_qkv(layer.self_attn)
-        self.eager = (make_attend(self.shape), make_route(self.shape.top_k), record)
+        self.eager = (make_attend(self.shape, gemv), make_route(self.shape.top_k, gemv), record)
         self.compiled = compile
         self.fns = self.eager
         if compile:

@@ -1,6 +1,6 @@
-"""The Triton kernels of the compiled decode token's attention (decode_attention.py) and router
-(decode_router.py), in a module of their own so that importing the engine does not import Triton (~1 s, and CPU
-hosts have none): the ops import it on their first call."""
+"""The Triton kernels of the compiled decode token's attention (decode_attention.py), router (decode_router.py)
+and dense projections (dense_gemv.py), in a module of their own so that importing the engine does not import
+Triton (~1 s, and CPU hosts have none): the ops import it on their first call."""
 
 import triton
 import triton.language as tl
@@ -88,3 +88,16 @@ def _topk_kernel(logits, index_out, weight_out, experts, K: tl.constexpr, BLOCK:
     weights = top / tl.sum(top, 0)  # slots past K hold 0
     tl.store(index_out + slots, index, mask=slots < K)
     tl.store(weight_out + slots, weights.to(weight_out.dtype.element_ty), mask=slots < K)
+
+
+@triton.jit
+def _dense_gemv_kernel(x, w, out, N, K, stride_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per column: the row is reduced once, after the loop
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        a = tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        ptrs = w + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+        b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        acc += b * a[None, :]
+    tl.store(out + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=rows < N)
