@@ -51,3 +51,58 @@ def test_route_topk_refuses_what_it_cannot_route() -> None:
         route_topk(torch.zeros(2, 16), 4)
     with pytest.raises(ValueError, match="route_topk"):
         route_topk(torch.zeros(1, 4), 8)
+
+
+def _route_case(g: torch.Generator, experts: int, hidden: int, k: int, dtype: torch.dtype) -> tuple:
+    """A token's input, router weight and table row (a quarter of the experts absent), with the k + 1 largest
+    logits distinct (a tie's order is torch.topk's to choose). bf16: sums exact in float32 (x in eighths, integer
+    weights), so the one rounding to bf16 is the same whatever the order of the sums."""
+    while True:
+        if dtype == torch.bfloat16:
+            x = (torch.randint(-8, 9, (1, hidden), generator=g) / 8).to(dtype)
+            w = torch.randint(-3, 4, (experts, hidden), generator=g).to(dtype)
+        else:
+            x = torch.randn(1, hidden, generator=g, dtype=dtype)
+            w = torch.randn(experts, hidden, generator=g, dtype=dtype) / hidden**0.5
+        table = torch.randperm(4 * experts, generator=g)[:experts].to(torch.int32)
+        table[torch.rand(experts, generator=g) < 0.25] = -1
+        top = torch.nn.functional.linear(x, w).float().topk(k + 1).values
+        if bool((top[0, :-1] > top[0, 1:]).all()):
+            return x, w, table
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("experts", "hidden", "k", "dtype"), [(128, 64, 8, torch.bfloat16),
+                                                              (60, 200, 6, torch.float32),
+                                                              (128, 5000, 8, torch.float32)])  # fmt: skip
+def test_one_kernel_router_routes_and_looks_up_as_transformers_in_the_interpreter(
+    experts: int, hidden: int, k: int, dtype: torch.dtype
+) -> None:
+    from vismmoe_edge.kernels.decode_router import route_and_lookup, route_and_lookup_reference
+
+    g = torch.Generator().manual_seed(experts + hidden)
+    counter = torch.zeros(1, dtype=torch.int32)
+    misses = 0
+    for _ in range(4):  # one counter through consecutive calls: each leaves it at 0 for the next
+        x, w, table = _route_case(g, experts, hidden, k, dtype)
+        routing, missed = torch.full((k,), -7, dtype=torch.long), torch.tensor(False)
+        index, weights, slots = route_and_lookup(x, w, table, routing, missed, counter)
+        ref_index, ref_weights, ref_slots, ref_missed = route_and_lookup_reference(x, w, table, k)
+        assert torch.equal(index, ref_index) and torch.equal(slots, ref_slots)
+        assert torch.equal(routing, ref_index[0]) and bool(missed) == bool(ref_missed)
+        assert weights.dtype == dtype
+        assert torch.allclose(weights.float(), ref_weights.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert int(counter) == 0
+        misses += bool(ref_missed)
+    assert 0 < misses  # some calls looked up an absent expert
+
+
+def test_one_kernel_router_refuses_what_it_cannot_route() -> None:
+    from vismmoe_edge.kernels.decode_router import route_and_lookup
+
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    rows = (torch.zeros(8, dtype=torch.int32), torch.zeros(2, dtype=torch.long), torch.tensor(False))
+    with pytest.raises(ValueError, match="route_and_lookup: x"):
+        route_and_lookup(torch.randn(2, 16), w, *rows, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counter int32"):
+        route_and_lookup(x, w, *rows, torch.zeros(1, dtype=torch.int64))

@@ -64,6 +64,40 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str,
     assert all(int(decoder.table.slots[layer, expert]) == slot for (layer, expert), slot in resident.items())
 
 
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_the_one_kernel_router_gives_transformers_tokens_in_the_interpreter(
+    checkpoints, references, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled token's router on CUDA (kernels/decode_router.py route_and_lookup: GEMV, top-k, table lookup
+    and the routing rows in one kernel), here under Triton's interpreter in the fused decoder: transformers' tokens
+    with every expert resident, and the routing rows the host reads are the router's."""
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", pinned_layers=1, device="cpu", tier="host")
+    engine.static_decode = engine.device_decode = "on"
+    engine.compile_decode = True  # the fused layers, eager on the CPU
+    ref = references["one_image"]
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens  # slots filled on the way
+    (decoder,) = engine._decoders.values()
+    assert decoder.router_counter is None  # the CPU's own choice: transformers' router
+    import vismmoe_edge.static_decode as sd
+
+    calls, kernel = [], sd.route_and_lookup
+    monkeypatch.setattr(sd, "route_and_lookup", lambda *a: (calls.append(1), kernel(*a))[1])
+    pipeline = engine.experts.pipeline
+    touch = pipeline.touch
+    seen: dict[str, list[tuple[int, list[int]]]] = {"transformers": [], "one kernel": []}
+    for router in seen:
+        if router == "one kernel":
+            decoder.router_counter = torch.zeros(1, dtype=torch.int32)  # as a compiled CUDA decoder holds it
+        redone = decoder.redone
+        pipeline.touch = lambda layer, experts, router=router: (seen[router].append((layer, list(experts))),
+                                                                touch(layer, experts))  # fmt: skip
+        assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, router
+        assert decoder.redone == redone  # every expert resident: no token redone
+    assert int(decoder.router_counter) == 0 and len(calls) == (NEW_TOKENS - 1) * len(decoder.moe)
+    assert seen["one kernel"] == seen["transformers"] and len(seen["transformers"]) > 0  # the rows the host reads
+
+
 def test_tokens_launched_ahead_change_no_token(checkpoints, references) -> None:
     """A stop token ends a reply with the next token already launched: it is discarded and the KV position rolled
     back. Sampled replies draw the same tokens for the same seed as without launching ahead."""

@@ -12,7 +12,8 @@
 - one layer's attention at 30B-A3B shapes (32/4 heads, d 128, bf16, capacities 1536 and 4096) in a graph: the
   split-KV Triton kernel (kernels/decode_attention.py) against the compiled SDPA path it replaced.
 - the dense projections at 30B-A3B shapes (o_proj, the router, q/k/v stacked; bf16, one row) in a graph: the
-  Triton GEMV (kernels/dense_gemv.py) against cuBLAS, with their byte bounds.
+  Triton GEMV (kernels/dense_gemv.py) against cuBLAS, with their byte bounds; the one-kernel router
+  (kernels/decode_router.py route_and_lookup) against the compiled three-kernel router, same experts and slots.
     python3 tools/device/decode_checks.py --out $OUT/decode_checks.json
 `--compile`: the equivalence checks with each layer's attention and router compiled (kernels/decode_layer.py),
 and the host syncs of the compiled token.
@@ -236,7 +237,38 @@ def dense_projections() -> dict:
         ok = ok and faster and max(steps.values()) <= 1.0
         out[name] = {"shape": [n, k], "triton_us": triton_us, "cublas_us": cublas_us,
                      "byte_bound_us": n * k * 2 / hbm * 1e6, "rounding_steps_from_float64": steps}  # fmt: skip
-    return {"ok": ok, **out}
+    out["router_one_kernel"] = one_kernel_router()
+    return {"ok": ok and out["router_one_kernel"].pop("ok"), **out}
+
+
+def one_kernel_router() -> dict:
+    """The resident token's router at 30B-A3B shapes (128 experts, H 2048, k 8, bf16) in a graph: the one kernel
+    of kernels/decode_router.py (GEMV, top-k, table lookup, the rows) against the compiled router it replaces
+    (cuBLAS's GEMV, the top-k kernel, the lookup kernel), over 200 random tokens: the same experts and slots
+    wherever the reference's k-th and (k+1)-th logits are apart (near-ties counted, not failed)."""
+    from vismmoe_edge.kernels.decode_layer import make_route
+    from vismmoe_edge.kernels.decode_router import route_and_lookup
+
+    experts, hidden, k = 128, 2048, 8
+    w = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    table = torch.randperm(4096, device="cuda")[:experts].to(torch.int32)
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    routing, missed = torch.zeros(k, dtype=torch.long, device="cuda"), torch.zeros((), dtype=torch.bool, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    compiled = torch.compile(make_route(k), dynamic=False, fullgraph=True)
+    differ = near_ties = 0
+    for _ in range(200):
+        x.copy_(torch.randn(1, hidden, device="cuda"))
+        index, _, slots = route_and_lookup(x, w, table, routing, missed, counter)
+        ref_index, _, ref_slots, _ = compiled(x, w, table, routing, missed)
+        if not (torch.equal(index, ref_index) and torch.equal(slots, ref_slots)):
+            logits = F.linear(x, w).float().topk(k + 1).values[0]
+            near_ties += bool(logits[k - 1] - logits[k] <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max())
+            differ += 1
+    one_us = timed(in_graph(lambda: route_and_lookup(x, w, table, routing, missed, counter)))
+    three_us = timed(in_graph(lambda: compiled(x, w, table, routing, missed)))
+    return {"ok": differ == near_ties and int(counter) == 0 and one_us < three_us, "one_kernel_us": one_us,
+            "compiled_three_kernels_us": three_us, "tokens_differing": differ, "of_which_near_ties": near_ties}
 
 
 def hbm_bandwidth(timed) -> float:  # type: ignore[no-untyped-def]

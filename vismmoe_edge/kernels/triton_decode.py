@@ -101,3 +101,49 @@ def _dense_gemv_kernel(x, w, out, N, K, stride_row, BLOCK_N: tl.constexpr, BLOCK
         b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += b * a[None, :]
     tl.store(out + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _route_kernel(x, w, table, logits, counter, index_out, weight_out, slot_out, routing, missed, E, H, stride_w,
+                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):  # fmt: skip
+    # 1. every program: its ROWS logits, rounded to x's dtype as F.linear's output is
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+    for start in range(0, H, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        a = tl.load(x + cols, mask=cols < H, other=0.0).to(tl.float32)
+        b = tl.load(w + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
+                    mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0).to(tl.float32)  # fmt: skip
+        acc += b * a[None, :]
+    z = tl.sum(acc, axis=1).to(x.dtype.element_ty).to(tl.float32)
+    tl.store(logits + rows, z, mask=rows < E)
+    # 2. the last program to finish (a ticket from the counter, acquire-release at GPU scope, after every thread
+    # of this program has stored) reads all logits and routes; it leaves the counter at 0 for the next call
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        z = tl.load(logits + offs, mask=valid, other=float("-inf"), volatile=True)  # past L1: other programs' stores
+        e = tl.exp(z - tl.max(z, 0))
+        p = e / tl.sum(e, 0)  # float32 softmax, then top-k and renormalisation, as _topk_kernel
+        picks = tl.arange(0, K_P2)
+        index = tl.zeros((K_P2,), dtype=tl.int64)
+        top = tl.zeros((K_P2,), dtype=tl.float32)
+        left = tl.where(valid, p, -1.0)
+        for j in tl.static_range(K):
+            best = tl.max(left, 0)
+            at = tl.argmax(left, 0)
+            index = tl.where(picks == j, at.to(tl.int64), index)
+            top = tl.where(picks == j, best, top)
+            left = tl.where(offs == at, -1.0, left)
+        weights = top / tl.sum(top, 0)
+        real = picks < K
+        slot = tl.load(table + index, mask=real, other=0).to(tl.int64)  # the expert table's row (int32, -1 absent)
+        tl.store(index_out + picks, index, mask=real)
+        tl.store(weight_out + picks, weights.to(weight_out.dtype.element_ty), mask=real)
+        tl.store(slot_out + picks, tl.maximum(slot, 0), mask=real)  # an absent expert reads slot 0: token redone
+        tl.store(routing + picks, index, mask=real)
+        tl.store(missed, tl.max(tl.where(real & (slot < 0), 1, 0), 0).to(tl.int1))
+        tl.atomic_xchg(counter, 0)
