@@ -1,0 +1,32 @@
+"""The bus bound tools/bench/discrete.py prints beside each 20 GiB and unified row: which bytes cross the host bus."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench" / "discrete.py"
+
+
+def _discrete():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("discrete_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_unified_row_counts_every_expert_its_kernels_read_from_host_memory() -> None:
+    """Run 11's unified-slots row: 24 MoE layers x top-8 experts of 9,437,184 bytes, each read over the bus by the
+    kernels, whatever the fills (0.60 GB of preads within host DRAM) were."""
+    bus = _discrete().bus_gb_per_token
+    row = {"experts_in_host_memory_per_token": 24 * 8, "expert_bytes": 9_437_184, "gb_read_per_decode_token": 0.6046,
+           "fill_gb_per_token": 0.6046}  # fmt: skip
+    assert abs(bus(row) - 1.8119) < 1e-3
+    assert abs(55.367 / bus(row) - 30.56) < 0.05  # tok/s at run 11's pinned rate (the row ran 9.3: 0.30x)
+
+
+def test_a_gpu_slot_row_counts_its_copies_and_its_reads_in_place() -> None:
+    bus = _discrete().bus_gb_per_token
+    assert bus({"gb_read_per_decode_token": 0.5, "host_reads_per_token": 10.0, "expert_bytes": 10**7}) == 0.6
+    assert bus({"gb_read_per_decode_token": 0.25, "experts_in_host_memory_per_token": 0, "expert_bytes": 1}) == 0.25
