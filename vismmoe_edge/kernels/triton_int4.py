@@ -67,8 +67,10 @@ def _dequant_int4_kernel(w, slot_ids, out, N, K, stride_slot, q_off, s_off, GROU
 @triton.jit
 def _grouped_int4_kernel(xs, w, group_slots, ends, tile_group, tile_row, out, G, N, K, stride_slot, q_off, s_off,
                          GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BF16: tl.constexpr, IEEE: tl.constexpr):
+                         BF16: tl.constexpr, IEEE: tl.constexpr, NATIVE_CAST: tl.constexpr):
     # fmt: on
+    # NATIVE_CAST (the GPU): Triton's float32 -> bf16 cast, round to nearest even as `bf16_bits` (which the
+    # interpreter needs: its cast truncates) in one instruction per pair instead of six integer ops per value
     t = tl.program_id(0)
     g = tl.load(tile_group + t)
     if g < G:
@@ -84,26 +86,30 @@ def _grouped_int4_kernel(xs, w, group_slots, ends, tile_group, tile_row, out, G,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, kb, HALF):
             jb = start + tl.arange(0, HALF)  # byte j: codes 2j (low nibble) and 2j + 1 (high)
-            x_at = xs + rows[:, None].to(tl.int64) * K + 2 * jb[None, :]
-            x_even = tl.load(x_at, mask=row_ok[:, None], other=0.0)
-            x_odd = tl.load(x_at + 1, mask=row_ok[:, None], other=0.0)
+            kc = 2 * start + tl.arange(0, 2 * HALF)  # this step's input columns, contiguous
+            x = tl.load(xs + rows[:, None].to(tl.int64) * K + kc[None, :], mask=row_ok[:, None], other=0.0)
             byte = tl.load(codes + cols[:, None].to(tl.int64) * kb + jb[None, :], mask=col_ok[:, None], other=0)
             at = ((start * 2 // GROUP) * N + cols) * 2  # the block lies inside one group
             scale = tl.load(sz + at, mask=col_ok, other=0.0).to(tl.float32)[:, None]
             zero = tl.load(sz + at + 1, mask=col_ok, other=0.0).to(tl.float32)[:, None]
             lo = dequantized(byte & 15, scale, zero)  # [BLOCK_N, HALF]: codes 2j
             hi = dequantized(byte >> 4, scale, zero)  # codes 2j + 1
+            wt = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * HALF))  # interleaved back into the columns' order
             if BF16:
-                lo, hi = as_bf16(bf16_bits(lo)), as_bf16(bf16_bits(hi))
+                if NATIVE_CAST:
+                    wt = wt.to(tl.bfloat16, fp_downcast_rounding="rtne")
+                else:
+                    wt = as_bf16(bf16_bits(wt))
             if IEEE:  # float32 inputs, and the interpreter (exact float32 products of the bf16 values)
-                acc += tl.dot(x_even.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(x_odd.to(tl.float32), tl.trans(hi.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, tl.trans(lo))
-                acc += tl.dot(x_odd, tl.trans(hi))
+                acc += tl.dot(x.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+            else:  # one dot over the step's 2 * HALF codes
+                acc += tl.dot(x, tl.trans(wt))
         at_out = out + rows[:, None].to(tl.int64) * N + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         if BF16:
-            tl.store(at_out, as_bf16(bf16_bits(acc)), mask=ok)
+            if NATIVE_CAST:
+                tl.store(at_out, acc.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=ok)
+            else:
+                tl.store(at_out, as_bf16(bf16_bits(acc)), mask=ok)
         else:
             tl.store(at_out, acc, mask=ok)
