@@ -62,6 +62,7 @@ def blocks(kk: int) -> dict[str, int]:
 
 
 _compiled: Any = None
+centered: Any = None  # triton_int4.centered, bound by _kernel() (which imports Triton)
 
 
 def _kernel():  # type: ignore[no-untyped-def]
@@ -71,6 +72,9 @@ def _kernel():  # type: ignore[no-untyped-def]
         return _compiled
     import triton
     import triton.language as tl
+
+    global centered  # a module global: Triton resolves a kernel's helpers there, not in this function's scope
+    from vismmoe_edge.kernels.triton_int4 import centered
 
     def tuned(fn):  # type: ignore[no-untyped-def]
         """Blocks (BLOCK_K in codes: half as many bytes) chosen per (N, K, group) by timing on the first call,
@@ -131,8 +135,8 @@ def _kernel():  # type: ignore[no-untyped-def]
                 a1 = tl.load(v + e * stride_v + even + 1, mask=ok, other=0.0).to(tl.float32)
             ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
             byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
-            lo = (byte & 15).to(tl.float32) - 8.0
-            hi = (byte >> 4).to(tl.float32) - 8.0
+            lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_int4.py)
+            hi = centered(byte >> 4)
             part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs
             a = a0 + a1
             if HALF <= GB:  # the block lies inside one group: one (scale, zero) per row

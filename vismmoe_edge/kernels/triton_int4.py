@@ -10,9 +10,17 @@ import triton.language as tl
 
 
 @triton.jit
+def centered(code):
+    """int4 codes (0..15, unsigned) -> code - 8 in float32, exactly: the code under 2^23's exponent bits is the float
+    2^23 + code, and one subtraction leaves code - 8. The same values as `code.to(float32) - 8`, without the
+    int-to-float conversion, which the GPU issues at a quarter of its FP32 rate (one per weight)."""
+    return (code.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
 def dequantized(code, scale, zero):
     """int4 codes (0..15) -> (code - 8) * scale + zero in float32."""
-    return (code.to(tl.float32) - 8.0) * scale + zero
+    return centered(code) * scale + zero
 
 
 @triton.jit
