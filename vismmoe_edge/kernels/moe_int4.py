@@ -116,23 +116,21 @@ def _kernel():  # type: ignore[no-untyped-def]
         for start in range(0, kb, HALF):
             jb = start + tl.arange(0, HALF)
             ok = jb < kb
-            even = 2 * jb  # the input the byte's low nibble meets; the high nibble meets even + 1
+            # the step's 2 * HALF inputs in one contiguous load, then split: the byte's low nibble meets the even
+            # ones, the high nibble the odd ones (two loads at a stride of two elements each before)
+            cols = 2 * start + tl.arange(0, 2 * HALF)
+            col_ok = cols < K
             if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate0 = tl.load(v + e * stride_v + even, mask=ok, other=0.0)
-                gate1 = tl.load(v + e * stride_v + even + 1, mask=ok, other=0.0)
-                up0 = tl.load(v + e * stride_v + K + even, mask=ok, other=0.0)
-                up1 = tl.load(v + e * stride_v + K + even + 1, mask=ok, other=0.0)
-                a0 = gate0 * tl.sigmoid(gate0) * up0
-                a1 = gate1 * tl.sigmoid(gate1) * up1
+                gate = tl.load(v + e * stride_v + cols, mask=col_ok, other=0.0)
+                up = tl.load(v + e * stride_v + K + cols, mask=col_ok, other=0.0)
+                act = gate * tl.sigmoid(gate) * up
                 if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
-                    a0 = a0.to(tl.bfloat16).to(tl.float32)
-                    a1 = a1.to(tl.bfloat16).to(tl.float32)
+                    act = act.to(tl.bfloat16).to(tl.float32)
                 elif ROUND == 2:
-                    a0 = a0.to(tl.float16).to(tl.float32)
-                    a1 = a1.to(tl.float16).to(tl.float32)
+                    act = act.to(tl.float16).to(tl.float32)
             else:  # (stride_v 0: one input for every expert)
-                a0 = tl.load(v + e * stride_v + even, mask=ok, other=0.0).to(tl.float32)
-                a1 = tl.load(v + e * stride_v + even + 1, mask=ok, other=0.0).to(tl.float32)
+                act = tl.load(v + e * stride_v + cols, mask=col_ok, other=0.0).to(tl.float32)
+            a0, a1 = tl.split(tl.reshape(act, (HALF, 2)))
             ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
             byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
             lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_int4.py)
