@@ -667,6 +667,7 @@ def main() -> None:
                 engines["all-resident"].device_decode = "auto"
                 engines["all-resident"].compile_decode = False
                 engines["all-resident"].decode_ahead = "auto"
+                engines["all-resident"].decode_gemv = gemv_projections(DEFAULT_PROJECTIONS)  # (a trial may have set "")
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)
