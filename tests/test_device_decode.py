@@ -78,23 +78,23 @@ def test_the_one_kernel_router_gives_transformers_tokens_in_the_interpreter(
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens  # slots filled on the way
     (decoder,) = engine._decoders.values()
-    assert decoder.router_counter is None  # the CPU's own choice: transformers' router
-    import vismmoe_edge.static_decode as sd
+    assert decoder.fused.router_counter is None  # the CPU's own choice: transformers' router
+    import vismmoe_edge.kernels.decode_layer as dl
 
-    calls, kernel = [], sd.route_and_lookup
-    monkeypatch.setattr(sd, "route_and_lookup", lambda *a: (calls.append(1), kernel(*a))[1])
+    calls, kernel = [], dl.route_and_lookup
+    monkeypatch.setattr(dl, "route_and_lookup", lambda *a: (calls.append(1), kernel(*a))[1])
     pipeline = engine.experts.pipeline
     touch = pipeline.touch
     seen: dict[str, list[tuple[int, list[int]]]] = {"transformers": [], "one kernel": []}
     for router in seen:
         if router == "one kernel":
-            decoder.router_counter = torch.zeros(1, dtype=torch.int32)  # as a compiled CUDA decoder holds it
+            decoder.fused.router_counter = torch.zeros(1, dtype=torch.int32)  # as a compiled CUDA decoder holds it
         redone = decoder.redone
         pipeline.touch = lambda layer, experts, router=router: (seen[router].append((layer, list(experts))),
                                                                 touch(layer, experts))  # fmt: skip
         assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, router
         assert decoder.redone == redone  # every expert resident: no token redone
-    assert int(decoder.router_counter) == 0 and len(calls) == (NEW_TOKENS - 1) * len(decoder.moe)
+    assert int(decoder.fused.router_counter) == 0 and len(calls) == (NEW_TOKENS - 1) * len(decoder.moe)
     assert seen["one kernel"] == seen["transformers"] and len(seen["transformers"]) > 0  # the rows the host reads
 
 

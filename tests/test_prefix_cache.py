@@ -361,15 +361,22 @@ def test_the_plan_counts_the_prefix_cache(checkpoints: dict[str, Path], capsys) 
     assert err.count("\n") == 1 and "--prefix-cache-bytes 'big'" in err
 
 
-def test_run_answers_several_questions_reusing_the_image() -> None:
+def test_run_answers_several_questions_reusing_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several --prompt: the later questions reuse the first's prefill, their prefill is compiled (where it
+    compiles: CUDA) before the first is timed, and they give a cold run's tokens."""
     from typer.testing import CliRunner
 
+    import vismmoe_edge.serve.warmup as warmup
     from vismmoe_edge.cli import app
 
+    warmed = []
+    real_warm = warmup.warm_suffix_graphs
+    monkeypatch.setattr(warmup, "warm_suffix_graphs", lambda engine: warmed.append(real_warm(engine)))
     questions = ["What colour is the circle?", "How many shapes are there?"]
     args = ["run", "--device", "cpu", "--max-new-tokens", "4", "--json"]
     result = CliRunner().invoke(app, [*args, "--prompt", questions[0], "--prompt", questions[1]])
     assert result.exit_code == 0, result.output
+    assert warmed == [None]  # called once; the CPU compiles nothing
     report = json.loads(result.stdout.strip().splitlines()[-1])
     first, second = report["answers"]
     assert [first["question"], second["question"]] == questions

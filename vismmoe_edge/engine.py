@@ -112,10 +112,8 @@ class Engine:
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
         self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
-        # ... its projections computed by the Triton GEMV of kernels/dense_gemv.py where compiled ("o,router")
-        self.decode_gemv = gemv_projections()
-        # (top-k, device, mapped, fused, the Triton GEMV's projections)
-        self._decoders: dict[tuple[int, bool, bool, bool, frozenset[str]], StaticDecoder] = {}
+        self.decode_gemv = gemv_projections()  # ... its projections on Triton GEMVs (kernels/dense_gemv.py)
+        self._decoders: dict[tuple, StaticDecoder] = {}  # (top-k, device, mapped, fused, the Triton GEMVs)
         self.suffix_graphs = SuffixGraphs(self)
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -165,10 +163,8 @@ class Engine:
     def compression(self, config: CompressionConfig) -> None:
         # Refused here, where every caller (run, serve, analyze, calibrate) sets it, not mid-request.
         if config.method != "none" and not self.ops.supports_compression:
-            raise VismmoeError(
-                f"--compressor {config.method}: visual-token compression is not supported for "
-                f"{self.ops.model_type} yet; use --compressor none"
-            )
+            raise VismmoeError(f"--compressor {config.method}: visual-token compression is not supported for "
+                               f"{self.ops.model_type} yet; use --compressor none")  # fmt: skip
         self._compression = config
 
     # ---- inputs -------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
-from vismmoe_edge.kernels.decode_router import route_and_lookup
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 from vismmoe_edge.switches import forced
@@ -239,15 +238,12 @@ class StaticDecoder:
             # move those weights under every graph captured before it (an illegal address at the next replay)
             stack_every_qkv(self.lm)
         self.fused: FusedLayers | None = None
-        self.router_counter: torch.Tensor | None = None  # the one-kernel router's tickets (0 between calls)
         self.no_experts: torch.Tensor | None = None
         if fused and on_device and supports_fused(self.lm, set(self.moe)):
             compile = on_gpu and HAS_TRITON
             if on_gpu and not compile:
                 warnings.warn("torch.compile needs Triton: the decode layers run eagerly", stacklevel=2)
             self.fused = FusedLayers(self.lm, compile=compile, gemv=engine.decode_gemv)
-            if compile and "router" in engine.decode_gemv:  # kernels/decode_router.py's one-kernel router
-                self.router_counter = dev(1, dtype=torch.int32)
             # the first layer's "previous experts": zeros of the shape the Triton path gives (one compilation)
             self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -387,9 +383,6 @@ class StaticDecoder:
             if fused is not None and host_row is None:  # router, table lookup and its record compiled
                 if replay:
                     slots, _ = fused.lookup(index, table_row, self.routing[m], self.missed[m])
-                elif self.router_counter is not None:  # GEMV, top-k, lookup and the rows in one kernel
-                    index, weights, slots = route_and_lookup(x, fused.tensors[i].router, table_row, self.routing[m],
-                                                             self.missed[m], self.router_counter)  # fmt: skip
                 else:
                     index, weights, slots, _ = fused.route(i, x, table_row, self.routing[m], self.missed[m])
                 out = pool_decode(x, slots, weights, pool, act, summed=False)

@@ -424,9 +424,14 @@ def profile_decode(engine, image: Path, replay: Path | None, tokens: int = 8) ->
             for e in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
         ],
         "gpu_kernels_per_token": sum(n for _, n in kernels.values()) / tokens,
-        # where the GPU's time goes: (kernel, µs per token, launches per token), the 16 costliest
+        # CUPTI records the kernels of the graphs launched inside the window: with tokens launched ahead that is one
+        # fewer than `tokens` (the first token's graph ran before it), so per graph launch is the device token's
+        # own count (run 11's "802 a token" was 917 a token graph)
+        "gpu_kernels_per_graph_launch": (sum(n for _, n in kernels.values()) / graph_launches) if graph_launches
+        else None,
+        # where the GPU's time goes: (kernel, µs per token, launches per token), the 40 costliest
         "gpu_top": [(name, round(us / tokens, 1), n / tokens)
-                    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]],  # fmt: skip
+                    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]],  # fmt: skip
     }
 
 

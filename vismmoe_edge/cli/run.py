@@ -126,6 +126,11 @@ def run(
         for inputs in all_inputs:
             check_context(inputs.num_tokens, max_new_tokens, engine)
         temperature, top_p = sampling_floor(temperature, top_p)  # 1e-300 would make NaN probabilities
+        if len(all_inputs) > 1:  # the questions after the first: their prefill compiled before any is timed
+            from vismmoe_edge.serve.warmup import warm_suffix_graphs
+
+            if (seconds := warm_suffix_graphs(engine)) is not None and not as_json:
+                typer.echo(f"[compiled the prefill of the questions after the first in {seconds:.1f} s]", err=True)
         on_text = None if as_json else lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
         results = []
         try:

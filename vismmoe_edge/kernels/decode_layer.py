@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from vismmoe_edge.kernels.decode_attention import decode_attention
-from vismmoe_edge.kernels.decode_router import route_topk
+from vismmoe_edge.kernels.decode_router import route_and_lookup, route_topk
 from vismmoe_edge.kernels.dense_gemv import dense_gemv
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, lookup
 
@@ -250,6 +250,10 @@ class FusedLayers:
         if compile:
             self.fns = tuple(torch.compile(fn, dynamic=False, fullgraph=True) for fn in self.eager)  # type: ignore[assignment]
         self._proven = {0, 1, 2} if not compile else set()  # the functions that have returned once
+        # compiled on CUDA with "router" in `gemv`: decode_router.py's one-kernel router, and its tickets (0 between
+        # calls; launched outside torch.compile, so the rows it writes are plain stores)
+        device = self.tensors[0].router.device
+        self.router_counter = torch.zeros(1, dtype=torch.int32, device=device) if compile and "router" in gemv else None
 
     def attend(
         self, i: int, experts: torch.Tensor, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -267,6 +271,8 @@ class FusedLayers:
     ) -> tuple[torch.Tensor, ...]:
         """(index, weights, slots, missed) of layer i's router and the expert table; the index and the miss flag
         are also written into the token's `routing` and `missed` rows."""
+        if self.router_counter is not None:  # GEMV, top-k, lookup and the rows in one kernel
+            return *route_and_lookup(x, self.tensors[i].router, table_row, routing, missed, self.router_counter), missed
         return self._call(1, x, self.tensors[i].router, table_row, routing, missed)
 
     def lookup(
