@@ -194,6 +194,7 @@ def run_hf_resident(
 
 UNIFIED = ("unified-slots", "unified-registered")
 BASELINES = ("hf-static", "hf-static-no-cudnn", "hf-resident", "accelerate")
+ROW_PREDICTORS = {"learned": "learned", "unified-slots-next-layer-gate": "next-layer-gate"}  # (others: none)
 
 
 def load_engine(
@@ -548,7 +549,7 @@ def main() -> None:
                     "(no Triton GEMV), device-popularity, device-mapped, "
                     "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
-                    "unified-slots, "
+                    "unified-slots, unified-slots-next-layer-gate (prefetching by the next layer's router), "
                     "unified-registered, "
                     "device-unified-slots, hf-static, hf-static-no-cudnn, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
@@ -599,7 +600,7 @@ def main() -> None:
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
-            if name in wanted or f"device-{name}" in wanted:
+            if name in wanted or f"device-{name}" in wanted or f"{name}-next-layer-gate" in wanted:
                 engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)
         for name, e in engines.items():
             print(f"{name}: loaded in {e.load_s:.1f} s, peak GPU {e.peak_gpu_bytes / 2**30:.2f} GiB, "
@@ -632,13 +633,16 @@ def main() -> None:
             if replay is not None and args.predictor_file is not None:
                 configs.append(("budget", "learned", {}))
             configs += [(name, name, {}) for name in UNIFIED]
+            # the engine's unified-slots row with the next layer's router prefetching that layer's likely experts
+            # into free slots while this layer computes (a fill then overlaps the kernels' reads)
+            configs.append(("unified-slots", "unified-slots-next-layer-gate", {}))
             configs += [(name, f"device-{name}", {"device_decode": "on"}) for name in UNIFIED]
             configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
                 for engine_name, name, kw in configs:
                     engine = engines[engine_name]
-                    set_predictor(engine, "learned" if name == "learned" else "none", args.predictor_file)
+                    set_predictor(engine, ROW_PREDICTORS.get(name, "none"), args.predictor_file)
                     if args.compile_device_rows and kw.get("device_decode", "off") != "off":
                         kw = {**kw, "compiled": True}
                     r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
