@@ -15,8 +15,9 @@ whole capacity, still what a compile without Triton or CUDA runs) was the costli
 H200 at 30B-A3B shapes: the mem-efficient SDPA kernel 61 us per layer (one query at batch 1 gives it too few
 programs for ~3 MB of K/V, <1 us at HBM speed), plus ~10 us per layer writing the repeated K/V. Likewise the
 router's softmax, top-k and renormalisation are one Triton program (kernels/decode_router.py) instead of
-torch.topk's two kernels (8.5 us a layer), and o_proj and the router's GEMV are kernels/dense_gemv.py's
-(`VISMMOE_DECODE_GEMV`) instead of cuBLAS's split-K pair and latency-bound GEMV.
+torch.topk's two kernels (8.5 us a layer); with `VISMMOE_DECODE_GEMV` holding "o" o_proj is kernels/dense_gemv.py's
+GEMV instead of cuBLAS's split-K pair, and with "router" (both by default) the whole router, its GEMV included, is
+decode_router.py's one kernel, launched outside the compiled function (`FusedLayers.route`).
 
 Compiled kernels may round differently from eager ones (inductor keeps a fused norm in float32 where eager
 rounds to bf16 between ops), so a compiled decode is checked on the GPU under the near-tie rule
@@ -161,14 +162,14 @@ def make_attend(shape: AttentionShape, gemv: frozenset[str] = frozenset()) -> Ca
     return attend
 
 
-def make_route(top_k: int, gemv: frozenset[str] = frozenset()) -> Callable[..., tuple[torch.Tensor, ...]]:
+def make_route(top_k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
     def route(
         x: torch.Tensor, weight: torch.Tensor, table_row: torch.Tensor, routing: torch.Tensor, missed: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """x [1, H] -> (index [1, k] long, weights [1, k], slots [1, k] long, missed), the first two as
         transformers' Qwen3VLMoeTextTopKRouter, the last two looked up in the expert table; `record` writes the
         index and the miss flag into the token's `routing` [k] and `missed` [] rows."""
-        logits = project(x, weight, "router" in gemv)
+        logits = F.linear(x, weight)  # (with "router" in `gemv`, FusedLayers.route takes decode_router.py's kernel)
         if torch.compiler.is_compiling() and logits.is_cuda and HAS_TRITON:  # one program (decode_router.py)
             index, top = route_topk(logits, top_k)
         else:
@@ -244,7 +245,7 @@ class FusedLayers:
         if compile:
             for layer, t in zip(language_model.layers, self.tensors, strict=True):
                 t.q = stack_qkv(layer.self_attn)
-        self.eager = (make_attend(self.shape, gemv), make_route(self.shape.top_k, gemv), record)
+        self.eager = (make_attend(self.shape, gemv), make_route(self.shape.top_k), record)
         self.compiled = compile
         self.fns = self.eager
         if compile:

@@ -14,10 +14,9 @@ The blocks are chosen from the shape, not autotuned: the op runs inside the comp
 programs by itself (o_proj 256 programs of 8 rows, the router 128 of one row).
 
 `dense_gemv` is a `torch.library.triton_op`; eager code (the CPU) keeps F.linear. `VISMMOE_DECODE_GEMV` chooses
-which projections of the compiled token take a Triton GEMV ("o,router" by default, "" none, "qkv" too:
-`gemv_projections`). For "router", a resident token (every expert in a slot) takes the router of
-kernels/decode_router.py `route_and_lookup`, GEMV, top-k and table lookup in one kernel; a token reading experts
-in place takes this GEMV before the top-k kernel.
+which projections of the compiled token take a Triton kernel ("o,router" by default, "" none, "qkv" too:
+`gemv_projections`): "o" and "qkv" this GEMV; "router" the router of kernels/decode_router.py `route_and_lookup`,
+GEMV, top-k and table lookup in one kernel, whose GEMV is this one's loop (it shares `blocks`).
 """
 
 from __future__ import annotations

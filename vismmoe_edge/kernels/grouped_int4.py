@@ -35,7 +35,7 @@ from vismmoe_edge.kernels.slot_matrix import SlotMatrix
 
 BLOCK_M = 64  # pairs a tile
 BLOCK_N = 64  # output rows a tile (in the interpreter; the GPU's autotuner chooses 64 or 128)
-MAX_BLOCK_K = 128  # codes a step along K: one g128 group, two dots of 64
+MAX_BLOCK_K = 128  # codes a step along K: one g128 group, one dot
 
 
 def block_k(group: int) -> int:
