@@ -11,7 +11,7 @@ and the compiled router of kernels/decode_layer.py calls it inside the token's g
 the eager router stays transformers' computation, exactly. `route_topk_reference` is the same contract in torch,
 for the tests.
 
-`route_and_lookup` is the whole router of a resident device token in one kernel: the GEMV, softmax, top-k,
+`route_and_lookup` is the whole router of a device token with compiled layers in one kernel: the GEMV, softmax, top-k,
 renormalisation, the expert table's lookup and the token's routing and miss rows. In run 11's profile the router
 was three kernels a layer (cuBLAS's GEMV 5.0 us for 0.5 MB, all latency; the top-k 3.7 us; the lookup 1.4 us)
 with a gap after each. The GEMV needs many programs to be quick and the top-k needs every logit, so each program

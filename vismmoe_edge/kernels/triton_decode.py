@@ -68,26 +68,36 @@ def _combine_kernel(m_in, s_in, acc_in, out, splits, SPLITS_P2: tl.constexpr, D:
 
 
 @triton.jit
-def _topk_kernel(logits, index_out, weight_out, experts, K: tl.constexpr, BLOCK: tl.constexpr,
-                 K_P2: tl.constexpr):  # fmt: skip
-    offs = tl.arange(0, BLOCK)
-    valid = offs < experts
-    z = tl.load(logits + offs, mask=valid, other=float("-inf")).to(tl.float32)
+def routed(z, valid, K: tl.constexpr, K_P2: tl.constexpr):
+    """Logits z [BLOCK] (float32; -inf where not `valid`) -> (index [K_P2] int64, weights [K_P2] float32, the first
+    K real): transformers' router after its GEMV. The float32 softmax, then the K largest by repeated argmax (the
+    largest first, as torch.topk sorts them; among equal weights the lowest expert id), renormalised."""
+    offs = tl.arange(0, z.shape[0])
     e = tl.exp(z - tl.max(z, 0))
-    p = e / tl.sum(e, 0)  # float32 softmax, as transformers' router takes it
-    slots = tl.arange(0, K_P2)
+    p = e / tl.sum(e, 0)
+    picks = tl.arange(0, K_P2)
     index = tl.zeros((K_P2,), dtype=tl.int64)
     top = tl.zeros((K_P2,), dtype=tl.float32)
     left = tl.where(valid, p, -1.0)  # probabilities are >= 0: -1 marks what is taken or padding
     for j in tl.static_range(K):
         best = tl.max(left, 0)
         at = tl.argmax(left, 0)  # the lowest index among equal maxima
-        index = tl.where(slots == j, at.to(tl.int64), index)
-        top = tl.where(slots == j, best, top)
+        index = tl.where(picks == j, at.to(tl.int64), index)
+        top = tl.where(picks == j, best, top)
         left = tl.where(offs == at, -1.0, left)
-    weights = top / tl.sum(top, 0)  # slots past K hold 0
-    tl.store(index_out + slots, index, mask=slots < K)
-    tl.store(weight_out + slots, weights.to(weight_out.dtype.element_ty), mask=slots < K)
+    return index, top / tl.sum(top, 0)  # picks past K hold 0
+
+
+@triton.jit
+def _topk_kernel(logits, index_out, weight_out, experts, K: tl.constexpr, BLOCK: tl.constexpr,
+                 K_P2: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    valid = offs < experts
+    z = tl.load(logits + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    index, weights = routed(z, valid, K, K_P2)
+    picks = tl.arange(0, K_P2)
+    tl.store(index_out + picks, index, mask=picks < K)
+    tl.store(weight_out + picks, weights.to(weight_out.dtype.element_ty), mask=picks < K)
 
 
 @triton.jit
@@ -126,19 +136,8 @@ def _route_kernel(x, w, table, logits, counter, index_out, weight_out, slot_out,
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
         z = tl.load(logits + offs, mask=valid, other=float("-inf"), volatile=True)  # past L1: other programs' stores
-        e = tl.exp(z - tl.max(z, 0))
-        p = e / tl.sum(e, 0)  # float32 softmax, then top-k and renormalisation, as _topk_kernel
+        index, weights = routed(z, valid, K, K_P2)
         picks = tl.arange(0, K_P2)
-        index = tl.zeros((K_P2,), dtype=tl.int64)
-        top = tl.zeros((K_P2,), dtype=tl.float32)
-        left = tl.where(valid, p, -1.0)
-        for j in tl.static_range(K):
-            best = tl.max(left, 0)
-            at = tl.argmax(left, 0)
-            index = tl.where(picks == j, at.to(tl.int64), index)
-            top = tl.where(picks == j, best, top)
-            left = tl.where(offs == at, -1.0, left)
-        weights = top / tl.sum(top, 0)
         real = picks < K
         slot = tl.load(table + index, mask=real, other=0).to(tl.int64)  # the expert table's row (int32, -1 absent)
         tl.store(index_out + picks, index, mask=real)
