@@ -4,10 +4,12 @@
 A device token reads the experts no GPU slot holds in place over the bus; after it, up to `limit` of them are
 copied into slots (experts/promotion.py), evicting the least recently used. A promotion costs one expert's bytes
 on the same bus and pays only if the expert is routed to again before it is evicted. This counts, per decode
-token, the experts read in place and those promoted, for several limits, on the geometry of tools/bench/
-discrete.py's 20 GiB rows (48 MoE layers of 128 experts, the first 3 pinned, 1,834 slots, MoE layer i replaying
-trace layer i mod the trace's layers as vismmoe_edge/experts/replay.py does). The slots start with the experts
-the prompt routed to most (the prefill's popularity), the prompt being the trace's tokens before the decode.
+token, the experts read in place and those promoted, for several limits (LRU, as the engine promotes; then
+admission by decode popularity; then a clairvoyant static set, the floor without promotion), on the geometry
+of tools/bench/discrete.py's 20 GiB rows (48 MoE layers of 128 experts, the first 3 pinned, 1,834 slots, MoE
+layer i replaying trace layer i mod the trace's layers as vismmoe_edge/experts/replay.py does). The slots start
+with the experts the prompt routed to most (the prefill's popularity), the prompt being the trace's tokens
+before the decode.
     python3 tools/bench/promotion_sim.py TRACE.npz [--decode-tokens 64] [--json out.json]
 """
 
@@ -55,6 +57,42 @@ def replay(trace: RoutingTrace, start: int, *, limit: int, slots: int, layers: i
     return reads / decode, promoted / decode
 
 
+def replay_frequency(trace: RoutingTrace, start: int, *, limit: int, slots: int, layers: int, pinned: int,
+                     experts: int, prompt: int, decode: int, decay: float = 0.98) -> tuple[float, float]:  # fmt: skip
+    """As `replay`, but a read expert is promoted only if its decode popularity (a count decayed by `decay` a token,
+    seeded with its prompt frequency a token) beats the least popular resident's, which it evicts: admission by
+    frequency, so that one-off experts do not displace reused ones."""
+    counts = collections.Counter(k for t in range(start, start + prompt) for k in routed(trace, t, layers, pinned))
+    capacity = slots - pinned * experts
+    score = collections.defaultdict(float, {k: c / prompt for k, c in counts.items()})
+    resident = {k for k, _ in counts.most_common(capacity)}
+    reads = promoted = 0
+    for t in range(start + prompt, start + prompt + decode):
+        used = list(dict.fromkeys(routed(trace, t, layers, pinned)))
+        for k in score:
+            score[k] *= decay
+        for k in used:
+            score[k] += 1.0
+        missed = [k for k in used if k not in resident]
+        reads += len(missed)
+        for key in sorted(missed, key=lambda k: -score[k])[:limit]:
+            victim = min(resident, key=score.__getitem__)
+            if score[key] > score[victim]:
+                resident.remove(victim)
+                resident.add(key)
+                promoted += 1
+    return reads / decode, promoted / decode
+
+
+def clairvoyant_static(trace: RoutingTrace, start: int, *, slots: int, layers: int, pinned: int, experts: int,
+                       prompt: int, decode: int) -> float:  # fmt: skip
+    """Experts read in place a token if the slots held, from the start, the experts the decode itself routes to
+    most (known only afterwards): a floor for every policy that keeps its slots and promotes nothing."""
+    used = [set(routed(trace, t, layers, pinned)) for t in range(start + prompt, start + prompt + decode)]
+    best = {k for k, _ in collections.Counter(k for u in used for k in u).most_common(slots - pinned * experts)}
+    return sum(len(u - best) for u in used) / decode
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace", type=Path)
@@ -81,6 +119,22 @@ def main() -> None:
         bus_mb = (reads + promoted) * args.expert_mb
         rows.append({"limit": limit, "reads_per_token": reads, "promoted_per_token": promoted, "bus_mb": bus_mb})
         print(f"{limit:>7} {reads:>14.1f} {promoted:>9.1f} {bus_mb:>13.0f}")
+    geometry = {"slots": args.slots, "layers": args.layers, "pinned": args.pinned, "experts": args.experts,
+                "prompt": args.prompt_tokens, "decode": args.decode_tokens}  # fmt: skip
+    starts = [int(x) for x in args.starts.split(",")]
+    for limit in (4, 8):  # admission by decode popularity
+        trials = [replay_frequency(trace, s, limit=limit, **geometry) for s in starts]
+        reads = statistics.median(r for r, _ in trials)
+        promoted = statistics.median(p for _, p in trials)
+        bus_mb = (reads + promoted) * args.expert_mb
+        rows.append({"limit": limit, "policy": "frequency", "reads_per_token": reads, "promoted_per_token": promoted,
+                     "bus_mb": bus_mb})  # fmt: skip
+        print(f"{limit:>7} {reads:>14.1f} {promoted:>9.1f} {bus_mb:>13.0f}  (promoted by decode popularity)")
+    floor = statistics.median(clairvoyant_static(trace, s, **geometry) for s in starts)
+    rows.append({"limit": 0, "policy": "clairvoyant static", "reads_per_token": floor,
+                 "bus_mb": floor * args.expert_mb})  # fmt: skip
+    print(f"{'-':>7} {floor:>14.1f} {0:>9.1f} {floor * args.expert_mb:>13.0f}  (the decode's own most routed, "
+          "known in advance)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
 
