@@ -44,7 +44,8 @@ from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
 from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, gemv_projections  # noqa: E402
 
 IMAGE_SIDE = int(os.environ.get("BENCH_IMAGE_SIDE", 1056))  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
-DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a smoke run of the harness on a tiny checkpoint
+# "cpu": a smoke run of the harness (`BENCH_DEVICE=cpu BENCH_IMAGE_SIDE=256 ... --layers 1 --new-tokens 4`: ~1 min)
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
 
 
 def sync() -> None:
@@ -66,7 +67,8 @@ def build_checkpoint(out: Path, layers: int) -> Path:
     from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_offline_processor
 
     if not (out / "model.safetensors.index.json").exists():
-        msc._normal = gpu_normal  # same shapes and seeds per tensor, generated where it is fast
+        if DEVICE == "cuda":
+            msc._normal = gpu_normal  # same shapes and seeds per tensor, generated where it is fast
         start = time.perf_counter()
         msc.build_synthetic_checkpoint(out, layers=layers, vocab=151_936, shard_bytes=4 << 30, progress=True)
         print(f"built {out} in {time.perf_counter() - start:.0f} s", flush=True)
