@@ -213,15 +213,18 @@ def gemv(
 
 
 _compiled: tuple | None = None
+signed_byte: Any = None  # triton_codes.signed_byte, bound by _kernels() (which imports Triton)
 
 
 def _kernels():  # type: ignore[no-untyped-def]
     """The Triton kernels, defined on first use (importing triton costs ~1 s, and CPU hosts have none)."""
-    global _compiled
+    global _compiled, signed_byte  # (a module global: Triton resolves a kernel's helpers there)
     if _compiled is not None:
         return _compiled
     import triton
     import triton.language as tl
+
+    from vismmoe_edge.kernels.triton_codes import signed_byte
 
     def tuned(fn):  # type: ignore[no-untyped-def]
         """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture."""
@@ -272,7 +275,11 @@ def _kernels():  # type: ignore[no-untyped-def]
             else:  # (stride_v 0: one input for every expert)
                 a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
-            b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+            b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
+            if INT8:  # the same values as an int-to-float conversion, without one per weight (triton_codes.py)
+                b = signed_byte(b)
+            else:
+                b = b.to(tl.float32)
             if ACC2D:
                 acc2 += b * a[None, :]
             else:

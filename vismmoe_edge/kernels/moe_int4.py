@@ -62,7 +62,7 @@ def blocks(kk: int) -> dict[str, int]:
 
 
 _compiled: Any = None
-centered: Any = None  # triton_int4.centered, bound by _kernel() (which imports Triton)
+centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
 
 
 def _kernel():  # type: ignore[no-untyped-def]
@@ -74,7 +74,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     global centered  # a module global: Triton resolves a kernel's helpers there, not in this function's scope
-    from vismmoe_edge.kernels.triton_int4 import centered
+    from vismmoe_edge.kernels.triton_codes import centered
 
     def tuned(fn):  # type: ignore[no-untyped-def]
         """Blocks (BLOCK_K in codes: half as many bytes) chosen per (N, K, group) by timing on the first call,
@@ -133,7 +133,7 @@ def _kernel():  # type: ignore[no-untyped-def]
             a0, a1 = tl.split(tl.reshape(act, (HALF, 2)))
             ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
             byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
-            lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_int4.py)
+            lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_codes.py)
             hi = centered(byte >> 4)
             part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs
             a = a0 + a1

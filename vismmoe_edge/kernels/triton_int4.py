@@ -8,13 +8,7 @@ file's weights element for element."""
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def centered(code):
-    """int4 codes (0..15, unsigned) -> code - 8 in float32, exactly: the code under 2^23's exponent bits is the float
-    2^23 + code, and one subtraction leaves code - 8. The same values as `code.to(float32) - 8`, without the
-    int-to-float conversion, which the GPU issues at a quarter of its FP32 rate (one per weight)."""
-    return (code.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+from vismmoe_edge.kernels.triton_codes import centered  # code - 8 without an int-to-float conversion
 
 
 @triton.jit
