@@ -110,3 +110,18 @@ def test_stacked_qkv_holds_no_byte_twice(checkpoints) -> None:
         q, k, v = torch.nn.functional.linear(x, stacked).split([o.shape[-1] for o in outputs], dim=-1)
     for mine, theirs in zip((q, k, v), outputs, strict=True):
         assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def test_per_layer_rows_are_16_byte_aligned_views() -> None:
+    """The KV lengths and miss flags a compiled layer takes one row at a time: every row at a 16-byte boundary, so
+    inductor never clones (and copies back) a row it compiled as aligned; the view takes in-place updates."""
+    from vismmoe_edge.kernels.decode_layer import aligned_rows
+
+    for dtype in (torch.long, torch.bool, torch.int32):
+        rows = aligned_rows(48, dtype, torch.device("cpu"))
+        assert rows.shape == (48,) and not rows.any()
+        assert all(rows[i : i + 1].data_ptr() % 16 == 0 and rows[i].data_ptr() % 16 == 0 for i in range(48))
+    lengths = aligned_rows(4, torch.long, torch.device("cpu"))
+    lengths.copy_(torch.tensor([3, 5, 7, 9]))
+    lengths += 1
+    assert lengths.tolist() == [4, 6, 8, 10] and lengths.long().tolist() == [4, 6, 8, 10]

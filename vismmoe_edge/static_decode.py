@@ -29,7 +29,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import OffloadedExperts
 from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
-from vismmoe_edge.kernels.decode_layer import FusedLayers, stack_every_qkv
+from vismmoe_edge.kernels.decode_layer import FusedLayers, aligned_rows, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
@@ -102,7 +102,7 @@ class StaticCache:
         shape = (batch, heads, capacity, dim)
         self.keys = [torch.zeros(shape, dtype=first.dtype, device=first.device) for _ in like.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.lengths = torch.zeros(len(like.layers), dtype=torch.long, device=first.device)  # filled per layer
+        self.lengths = aligned_rows(len(like.layers), torch.long, first.device)  # filled per layer
         self.positions = torch.arange(capacity, device=first.device)
 
     def fill(self, prefill: DynamicCache) -> None:
@@ -330,7 +330,7 @@ class StaticDecoder:
                           stacklevel=2)  # fmt: skip
         self.sampler = DeviceSampler(self.logits.shape[0], self.device)
         self.routing = torch.zeros(len(layers), routed_k, dtype=torch.long, device=self.device)
-        self.missed = torch.zeros(len(layers), dtype=torch.bool, device=self.device)
+        self.missed = aligned_rows(len(layers), torch.bool, self.device)
         self.finite = torch.zeros(1, dtype=torch.bool, device=self.device)
         self.packed = torch.zeros(2 + len(layers) * (1 + routed_k), dtype=torch.long, device=self.device)
         # two pinned copies used in turn: a token launched ahead writes one while the host reads the other

@@ -192,6 +192,16 @@ def record(
     return slots, miss
 
 
+def aligned_rows(rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros [rows], each element at a 16-byte boundary (a strided view), for the per-layer rows the compiled
+    functions take (each layer's KV length and miss flag): compiled on layer 0's row, inductor assumes an input
+    aligned and clones a misaligned one before every call, copying it back after where the call writes it
+    (torch/_inductor/utils.py `copy_misaligned_inputs`). Run 11's token had ~45 `memcpy_post` and ~45
+    `multi_tensor_apply` kernels: a clone and a `_foreach_copy_` for each miss flag (a bool at byte m) off 16."""
+    per_row = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    return torch.zeros(rows, per_row, dtype=dtype, device=device)[:, 0]
+
+
 def stack_qkv(attention: Any) -> torch.Tensor:
     """The q, k and v projections' weights as one tensor, which the modules' weights become views of (so no byte
     is held twice): at batch 1 the k and v GEMVs (0.5 MB each at 30B-A3B shapes) cost a kernel launch each, more
