@@ -2,11 +2,13 @@
 """What inductor makes of one decode layer (kernels/decode_layer.py), at 30B-A3B shapes: the generated wrapper
 code of the compiled `attend` and `route`, and the lines of it that launch something other than a fused kernel.
 
-Run 11's profile of the compiled decode token (docs/decode-on-device.md) counts ~17 kernels a layer, among them
-one `multi_tensor_apply` and one `memcpy_post` a layer whose source was not traced: a copy-back of a mutated input
-(the residual `hidden`, the routing row, the miss flag) is the suspect. This compiles both functions on the
-given device, writes inductor's output code under --out, and prints every wrapper line that calls a copy, a
-foreach op, an extern kernel or a Triton launch, so that the layer's launches can be read off.
+Run 11's profile of the compiled decode token (docs/decode-on-device.md) counts ~19 kernels a layer, among them
+one `multi_tensor_apply` and one `memcpy_post` a layer, traced since to inductor's handling of inputs it compiled
+as aligned (torch/_inductor/utils.py `copy_misaligned_inputs`: the miss flag of layer m, a bool at byte m, is
+cloned before the call and copied back after). This compiles both functions on the given device as the decoder
+does (on layer 0's rows), writes inductor's output code under --out, prints every wrapper line that calls a copy,
+a foreach op, an extern kernel or a Triton launch, and on CUDA counts the kernels of one `route` call on layer
+3's rows laid out as before (packed: cloned and copied back) and as now (decode_layer.aligned_rows).
 
     python3 tools/device/inductor_code.py --out $OUT/inductor      # CUDA (the device tool)
     python3 tools/device/inductor_code.py --device cpu --out /tmp/i  # the same on the CPU (C++ kernels)
@@ -24,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vismmoe_edge.kernels.decode_layer import AttentionShape, make_attend, make_route  # noqa: E402
+from vismmoe_edge.kernels.decode_layer import AttentionShape, aligned_rows, make_attend, make_route  # noqa: E402
 
 LAUNCH = re.compile(r"copy_|foreach|extern_kernels|\.run\(|memcpy|aten\.|torch\.ops\.")
 
@@ -76,17 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(1, 1, h, generator=g).to(dev, bf)
     cos, sin = (torch.randn(1, 1, d, generator=g).to(dev, bf) for _ in range(2))
     keys, values = (torch.zeros(1, kv, args.capacity, d, device=dev, dtype=bf) for _ in range(2))
-    lengths = torch.tensor([5, 7], device=dev)  # a layer's length is a one-element view, as in the decoder
+    lengths = aligned_rows(2, torch.long, dev)  # a layer's length is a one-element view, as in the decoder
+    lengths.copy_(torch.tensor([5, 7]))
     positions = torch.arange(args.capacity, device=dev)
-    normed = attend(experts, hidden, cos, sin, keys, values, lengths[1:2], positions, weight(h), qkv,
+    normed = attend(experts, hidden, cos, sin, keys, values, lengths[0:1], positions, weight(h), qkv,
                     qkv[heads * d : heads * d + kv * d], qkv[heads * d + kv * d :], weight(h, heads * d),
                     weight(d), weight(d), weight(h))  # fmt: skip
     table = torch.arange(args.experts, device=dev, dtype=torch.int32)
     routing = torch.zeros(4, args.top_k, dtype=torch.long, device=dev)  # the token's rows; a layer writes one
-    missed = torch.zeros(4, dtype=torch.bool, device=dev)
-    route(normed.view(1, h), weight(args.experts, h), table, routing[2], missed[2])
+    missed = torch.zeros(4, dtype=torch.bool, device=dev)  # packed, as before run 12: only row 0 is aligned
+    router = weight(args.experts, h)
+    route(normed.view(1, h), router, table, routing[0], missed[0])  # compiled on layer 0's rows
     if dev.type == "cuda":
         torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        for layout, flags in (("packed", missed), ("aligned", aligned_rows(4, torch.bool, dev))):
+            route(normed.view(1, h), router, table, routing[3], flags[3])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                route(normed.view(1, h), router, table, routing[3], flags[3])
+                torch.cuda.synchronize()
+            names = [e.name[:60] for e in prof.events() if e.device_type.name == "CUDA"]
+            print(f"route on layer 3's rows, {layout}: {len(names)} kernels: {names}")
 
     for name, text in zip(("attend", "route"), capture.modules, strict=False):
         (args.out / f"{name}.py").write_text(text)
