@@ -43,7 +43,7 @@ def test_dense_gemv_is_the_product_rounded_once_in_the_interpreter(n: int, k: in
 
 @needs_interpreter
 def test_dense_gemv_reads_rows_with_a_stride() -> None:
-    """The stacked q/k/v's o_proj-style views: rows of a taller weight, as the modules hold them."""
+    """Rows of a taller weight at an offset, as the modules' k and v weights are views of the stacked q/k/v."""
     w = torch.randn(96, 64)
     x = torch.randn(1, 64)
     view = w[32:80]
