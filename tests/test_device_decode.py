@@ -41,6 +41,9 @@ def test_device_token_matches_transformers(checkpoints, references, budget: str,
         assert engine.generate_from_inputs(ref.inputs, sampling).token_ids == ref.tokens, name
     (decoder,) = engine._decoders.values()
     assert decoder.on_device and (decoder.fused is not None) == fused
+    rows = [decoder.missed[m] for m in range(len(decoder.moe))]
+    rows += [decoder.cache.lengths[i : i + 1] for i in range(len(decoder.cache.keys))]
+    assert all(r.data_ptr() % 16 == 0 for r in rows)  # what compiled layers take a row at a time: never cloned
     assert decoder.host_length == int(decoder.cache.lengths[0])  # the host's count of positions stayed exact
     assert decoder.pending is None  # the reply's end discarded the token launched after its last
     tokens = len(references) * (NEW_TOKENS - 1)
