@@ -95,6 +95,8 @@ def test_a_miss_writes_each_byte_once_into_its_slot_and_leaves_no_page_cache(col
     for key, weights in fetched:  # the right bytes, in nn.Linear orientation (read last: faults read around)
         reference = store.load(*key)
         assert torch.equal(weights.gate_up, reference.gate_up) and torch.equal(weights.down, reference.down)
+    fills = tier.fill_stats  # where the fills' time went: the reads, and no GPU to wait for on the CPU
+    assert fills.read_s > 0 and fills.wait_s >= 0 and fills.direct_bytes + fills.buffered_bytes == 5 * tier.slot_bytes
     tier.close()
 
 

@@ -304,7 +304,10 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     routed_k = engine.experts.replay.trace.top_k if engine.experts.replay is not None else engine.context.top_k
     return {
         "tier": pipeline.tier.name,
-        "fill_gb": None if fills is None else {"direct": fills.direct_bytes / 1e9, "cpu": fills.buffered_bytes / 1e9},
+        # unified-slots: where a fill's time goes (the reads' rate per I/O thread; the wait for the GPU to release
+        # the slot), over the whole trial
+        "fill_gb": None if fills is None else {"direct": fills.direct_bytes / 1e9, "cpu": fills.buffered_bytes / 1e9,
+                                               "read_s": fills.read_s, "wait_s": fills.wait_s},  # fmt: skip
         "routing": "trace-replay" if replay is not None else "sampled",
         "slots": pipeline.capacity,
         "prefill_s": times[0] - start,

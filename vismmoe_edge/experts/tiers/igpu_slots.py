@@ -24,6 +24,7 @@ the GPU may still read). Without CUDA (device cpu) the same code fills plain ano
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -156,9 +157,12 @@ class UnifiedSlotTier(TierDefaults):
 
     # ---- a fetch (an I/O thread) ----------------------------------------------------------------------------
     def fetch(self, key: ExpertKey, slot: int) -> ExpertWeights:
+        start = time.perf_counter()
         if self.on_gpu:
             self.freed[slot].synchronize()  # kernels queued before may still read the slot's previous expert
+        waited = time.perf_counter()
         stats = self.filler.fill(self.reads(key, slot))
+        stats.wait_s, stats.read_s = waited - start, time.perf_counter() - waited
         with self._stats_lock:
             self.fill_stats.add(stats)
         return self.weights(slot)

@@ -61,11 +61,15 @@ class FillStats:
     direct_bytes: int = 0  # disk -> slot by DMA: no CPU copy, no page cache
     buffered_bytes: int = 0  # page cache -> slot: one CPU copy per byte
     dropped_bytes: int = 0  # page-span bytes handed back to the kernel after the reads
+    read_s: float = 0.0  # the reads and drops, summed over fills (I/O threads fill in parallel)
+    wait_s: float = 0.0  # waiting, before a fill, for the GPU to finish reading the slot's previous expert
 
     def add(self, other: FillStats) -> None:
         self.direct_bytes += other.direct_bytes
         self.buffered_bytes += other.buffered_bytes
         self.dropped_bytes += other.dropped_bytes
+        self.read_s += other.read_s
+        self.wait_s += other.wait_s
 
 
 @functools.cache
