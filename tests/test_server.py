@@ -339,6 +339,20 @@ def test_unix_socket_deadline_and_sigterm(tmp_path: Path) -> None:
         assert health(srv) == (200, "ok")
         assert srv.chat({"messages": user("Hi"), "max_tokens": 3})[0] == 200
 
+        # a refusal before the body (here a wrong Content-Type) still takes the body the client sends after it:
+        # closing with it unread broke the client's pipe (http.client writes head and body apart), and a 503
+        # while draining came back as BrokenPipeError
+        sock = srv.raw_socket()
+        body = json.dumps({"messages": user("Hi")}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+        time.sleep(0.3)  # the 415 is written by now
+        sock.sendall(body)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        assert_error(resp.status, json.loads(resp.read()), 415)
+        sock.close()
+
         # a request past its deadline returns what it has, as "length"
         start = time.monotonic()
         status, body = srv.chat({"messages": user("Hello"), "max_tokens": LONG, "min_tokens": LONG})

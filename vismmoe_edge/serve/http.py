@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vismmoe_edge.serve")
 POLL_S = 0.1  # how often a waiting handler checks its client and deadline
+LINGER_S = 1.0  # at most this long, after refusing a request before its body, reading what the client still sends
 ROUTES = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
 JSON_TYPES = ("application/json",)
 
@@ -72,6 +73,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 30  # per socket operation: an idle keep-alive connection or a stalled client frees its thread
     server: Any  # serve/servers.py's TCPServer or UnixServer
     cors_origin: str | None = None
+    body_read = False  # the current request's body has been read (unread_body)
 
     @property
     def service(self) -> Service:
@@ -91,6 +93,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         """One request, its request line and headers within --header-timeout; a client that started a request
         and did not finish its headers in time gets a 408 (an idle keep-alive connection is just closed)."""
+        self.body_read = False
         self.reader.start("headers", self.header_timeout())
         super().handle_one_request()  # catches the TimeoutError of a late request and closes the connection
         if self.reader.expired and self.reader.phase == "headers" and self.reader.received:
@@ -100,6 +103,45 @@ class Handler(BaseHTTPRequestHandler):
 
     def header_timeout(self) -> float:
         return self.service.limits.header_timeout_s
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            if self.unread_body():
+                self.linger()
+
+    def unread_body(self) -> bool:
+        """A POST whose declared body was never read: refused before it (admit(), loading or draining, a wrong
+        Content-Type)."""
+        headers = getattr(self, "headers", None)
+        if headers is None or getattr(self, "command", None) != "POST" or self.body_read:
+            return False
+        if "chunked" in headers.get("Transfer-Encoding", "").lower():
+            return True
+        try:
+            return int(headers.get("Content-Length") or 0) > 0
+        except ValueError:
+            return False
+
+    def linger(self) -> None:
+        """Half-close, then read and drop what the client still sends, for at most LINGER_S and the body limit.
+        A socket closed with unread bytes resets the connection (TCP) or breaks the pipe of a client still
+        writing its body (a unix socket; http.client writes the head and the body apart), and the client can
+        lose the reply it was sent: a 503 while the model loads or the daemon drains came back as BrokenPipeError
+        (tests/test_server.py)."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            end = time.monotonic() + LINGER_S
+            left = self.service.limits.max_body_bytes + 65536
+            while left > 0 and (wait := end - time.monotonic()) > 0:
+                self.connection.settimeout(wait)
+                data = self.connection.recv(min(65536, left))
+                if not data:
+                    return
+                left -= len(data)
+        except OSError:  # timed out, or the client is gone: the close is all that is left
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -244,6 +286,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.reader.start("body", self.service.limits.body_timeout_s)
                 try:
                     data, taken = read_body(self.rfile, self.headers, limit, self.service.bodies)
+                    self.body_read = True
                 finally:
                     self.reader.start("reply", None)  # no read deadline while the reply is generated
                 self.close_connection = wants_close
