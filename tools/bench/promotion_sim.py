@@ -133,8 +133,10 @@ def main() -> None:
     floor = statistics.median(clairvoyant_static(trace, s, **geometry) for s in starts)
     rows.append({"limit": 0, "policy": "clairvoyant static", "reads_per_token": floor,
                  "bus_mb": floor * args.expert_mb})  # fmt: skip
-    print(f"{'-':>7} {floor:>14.1f} {0:>9.1f} {floor * args.expert_mb:>13.0f}  (the decode's own most routed, "
-          "known in advance)")
+    print(
+        f"{'-':>7} {floor:>14.1f} {0:>9.1f} {floor * args.expert_mb:>13.0f}  (the decode's own most routed, "
+        "known in advance)"
+    )
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
 

@@ -268,8 +268,13 @@ def one_kernel_router() -> dict:
             differ += 1
     one_us = timed(in_graph(lambda: route_and_lookup(x, w, table, routing, missed, counter)))
     three_us = timed(in_graph(lambda: compiled(x, w, table, routing, missed)))
-    return {"ok": differ == near_ties and int(counter) == 0 and one_us < three_us, "one_kernel_us": one_us,
-            "compiled_three_kernels_us": three_us, "tokens_differing": differ, "of_which_near_ties": near_ties}
+    return {
+        "ok": differ == near_ties and int(counter) == 0 and one_us < three_us,
+        "one_kernel_us": one_us,
+        "compiled_three_kernels_us": three_us,
+        "tokens_differing": differ,
+        "of_which_near_ties": near_ties,
+    }
 
 
 def hbm_bandwidth(timed) -> float:  # type: ignore[no-untyped-def]

@@ -40,8 +40,10 @@ def gemv_projections(value: str | None = None) -> frozenset[str]:
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     unknown = sorted(names - set(PROJECTIONS))
     if unknown:
-        raise VismmoeError(f"VISMMOE_DECODE_GEMV={text!r}: unknown projection {', '.join(unknown)}; use a "
-                           f"comma-separated subset of {', '.join(PROJECTIONS)}, or an empty value for none")
+        raise VismmoeError(
+            f"VISMMOE_DECODE_GEMV={text!r}: unknown projection {', '.join(unknown)}; use a "
+            f"comma-separated subset of {', '.join(PROJECTIONS)}, or an empty value for none"
+        )
     return names
 
 
