@@ -318,9 +318,8 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
         "gb_read_per_decode_token": decode_bytes / (new_tokens - 1) / 1e9,  # what misses moved into the cache
         # the unified tiers on a discrete GPU: every expert a token computes is read from host memory (bus_gb_per_token)
         "experts_in_host_memory_per_token": n_layers * routed_k if unified and DEVICE == "cuda" else 0,
-        "fill_gb_per_token": decode_bytes / (new_tokens - 1) / 1e9 if unified else 0.0,
         # the GPU tier DMAs every byte it reads; the unified tiers' kernels read host memory in place instead
-        "gb_copied_per_decode_token": 0.0 if pipeline.tier.name.startswith("unified") else decode_bytes
+        "gb_copied_per_decode_token": 0.0 if unified else decode_bytes
         / (new_tokens - 1) / 1e9,
         "stall_s": s["stall_s"],
         "wasted_speculative_gb": s["wasted_speculative_bytes"] / 1e9,
@@ -346,9 +345,9 @@ def bus_gb_per_token(row: dict) -> float:
     """GB a decode token moves over the host bus: what misses and promotions copied into the cache, plus the experts
     read in place from the host tier (which no copy counts). The unified tiers keep every slot in host memory, so
     on a discrete GPU each expert a token computes crosses the bus as the kernels read it (`experts_in_host_memory
-    _per_token`), while their fills (a pread from the page cache into a slot) stay in host DRAM: those are not bus
-    bytes here (`fill_gb_per_token`). Before run 12 the unified rows counted the fills instead, which made the bound
-    ~3x too high (run 11: 91.6 tok/s printed for a row whose reads allow 30.6)."""
+    _per_token`), while their fills (a pread from the page cache into a slot, `gb_read_per_decode_token` in their
+    rows) stay in host DRAM: those are not bus bytes here. Before run 12 the unified rows counted the fills
+    instead, which made the bound ~3x too high (run 11: 91.6 tok/s printed for a row whose reads allow 30.6)."""
     if row.get("experts_in_host_memory_per_token"):
         return row["experts_in_host_memory_per_token"] * row["expert_bytes"] / 1e9
     in_place = row.get("host_reads_per_token", 0.0) * row.get("expert_bytes", 0) / 1e9

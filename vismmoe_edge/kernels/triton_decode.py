@@ -101,16 +101,24 @@ def _topk_kernel(logits, index_out, weight_out, experts, K: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _dense_gemv_kernel(x, w, out, N, K, stride_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per column: the row is reduced once, after the loop
+def row_dots(x, w, rows, N, K, stride_row, BLOCK_K: tl.constexpr):
+    """W[rows] @ x in float32 for one block of rows of W [N, K]: the products kept per column over the blocks of K,
+    each row reduced once after the loop."""
+    acc = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         a = tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)
         ptrs = w + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
         b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += b * a[None, :]
-    tl.store(out + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=rows < N)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _dense_gemv_kernel(x, w, out, N, K, stride_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = row_dots(x, w, rows, N, K, stride_row, BLOCK_K)
+    tl.store(out + rows, y.to(out.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
@@ -119,14 +127,7 @@ def _route_kernel(x, w, table, logits, counter, index_out, weight_out, slot_out,
                   BLOCK_H: tl.constexpr):  # fmt: skip
     # 1. every program: its ROWS logits, rounded to x's dtype as F.linear's output is
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-    for start in range(0, H, BLOCK_H):
-        cols = start + tl.arange(0, BLOCK_H)
-        a = tl.load(x + cols, mask=cols < H, other=0.0).to(tl.float32)
-        b = tl.load(w + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
-                    mask=(rows[:, None] < E) & (cols[None, :] < H), other=0.0).to(tl.float32)  # fmt: skip
-        acc += b * a[None, :]
-    z = tl.sum(acc, axis=1).to(x.dtype.element_ty).to(tl.float32)
+    z = row_dots(x, w, rows, E, H, stride_w, BLOCK_H).to(x.dtype.element_ty).to(tl.float32)
     tl.store(logits + rows, z, mask=rows < E)
     # 2. the last program to finish (a ticket from the counter, acquire-release at GPU scope, after every thread
     # of this program has stored) reads all logits and routes; it leaves the counter at 0 for the next call
