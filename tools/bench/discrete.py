@@ -612,6 +612,7 @@ def main() -> None:
         routings = ([None] if "sampled" in args.routings else []) + (
             [args.replay_trace] if args.replay_trace and "trace-replay" in args.routings else []
         )
+        failed: dict[str, str] = {}  # a row whose trial raised: the rest of the call still runs (GPU calls are few)
         for replay in routings:
             mode = "trace-replay" if replay is not None else "sampled"
             configs: list[tuple[str, str, dict]] = [
@@ -645,13 +646,22 @@ def main() -> None:
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
                 for engine_name, name, kw in configs:
+                    if name in failed:
+                        continue
                     engine = engines[engine_name]
                     set_predictor(engine, ROW_PREDICTORS.get(name, "none"), args.predictor_file)
                     if args.compile_device_rows and kw.get("device_decode", "off") != "off":
                         kw = {**kw, "compiled": True}
-                    r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
+                    try:
+                        r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
+                    except Exception as exc:  # noqa: BLE001 (recorded in the row and printed)
+                        failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                        print(f"{name} {mode} FAILED: {failed[name]}", flush=True)
+                        continue
                     trials[name].append(r)
                     print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)
+            results += [{"strategy": n, "routing": mode, "error": failed[n]} for _, n, _ in configs if n in failed]
+            configs = [c for c in configs if c[1] not in failed]
             rows = [median_row(name, trials[name]) for _, name, _ in configs]
             for (engine_name, _, _), row in zip(configs, rows, strict=True):
                 row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30
@@ -684,7 +694,7 @@ def main() -> None:
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)
-                if "device-resident-compiled" in wanted:
+                if "device-resident-compiled" in wanted and "device-resident-compiled" not in failed:
                     engines["all-resident"].compile_decode = True
                     resident = profile_decode(engines["all-resident"], image, replay)
                     profiles.append({"engine": "every expert resident, device path, compiled layers", **resident})

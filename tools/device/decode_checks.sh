@@ -31,7 +31,7 @@ MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselin
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
-LIMIT=530  # seconds: the call's 9 minutes less the wheel install and a margin
+LIMIT=${LIMIT:-530}  # seconds: the call's 9 minutes less the wheel install and a margin (less where the call runs more)
 left() { echo $((LIMIT - ($(date +%s) - T0))); }
 . "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
