@@ -136,8 +136,9 @@ def _route_kernel(x, w, table, logits, counter, index_out, weight_out, slot_out,
     if ticket == tl.num_programs(0) - 1:
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        z = tl.load(logits + offs, mask=valid, other=float("-inf"), volatile=True)  # past L1: other programs' stores
-        index, weights = routed(z, valid, K, K_P2)
+        # past L1: other programs' stores (a new name: Triton keeps a variable's shape across an `if`)
+        every_logit = tl.load(logits + offs, mask=valid, other=float("-inf"), volatile=True)
+        index, weights = routed(every_logit, valid, K, K_P2)
         picks = tl.arange(0, K_P2)
         real = picks < K
         slot = tl.load(table + index, mask=real, other=0).to(tl.int64)  # the expert table's row (int32, -1 absent)
