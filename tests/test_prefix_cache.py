@@ -136,6 +136,31 @@ def test_the_daemon_warms_the_suffix_attention_for_two_shapes_and_keeps_no_graph
     check_reuse(engine, question_refs, QUESTIONS, images[0])
 
 
+def test_after_the_warm_up_the_first_question_after_a_frame_compiles_nothing(
+    checkpoints: dict[str, Path], images: list[Path]
+) -> None:
+    """Run 12 (an H100): the daemon warmed the suffix attention, yet its first question after a cached frame took
+    5.9 s, the next 0.03 s. The warm-up ran with autograd on and requests run under inference mode; dynamo guards
+    on that and compiled again. Compiled here for real (inductor's CPU backend), the warm-up's two graphs are all
+    there are after a question."""
+    from torch._dynamo.utils import counters
+
+    from vismmoe_edge.kernels.suffix_layer import SuffixLayers
+    from vismmoe_edge.loader import load
+    from vismmoe_edge.suffix_graph import SuffixGraphs
+
+    engine = load(checkpoints["v5"], memory_budget="100%", pinned_layers=10, device="cpu")
+    engine.suffix_graphs = graphs = SuffixGraphs(engine, capture=False, explicit_layers=True)
+    graphs._layers = SuffixLayers(engine.language_model, compile=True)  # what CUDA gets (compiles_layers)
+    counters.clear()
+    assert graphs.warm() and counters["stats"]["unique_graphs"] == 2
+    engine.prefix_cache = PrefixCache(64 << 20, salt="test")
+    engine.prefill(engine.encode(QUESTIONS["first"][0], [images[0]]))
+    engine.prefill(engine.encode(QUESTIONS["second"][0], [images[0]]))
+    engine.prefix_cache = None
+    assert graphs.replays == 1 and counters["stats"]["unique_graphs"] == 2
+
+
 def test_a_suffix_s_padding_rows_reach_no_expert_of_their_own(
     checkpoints: dict[str, Path], images: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

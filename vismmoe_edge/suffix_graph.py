@@ -220,6 +220,7 @@ class SuffixGraphs:
         graph.keys = keys if explicit is not None else [layer.keys for layer in cache.layers]
         graph.values = values if explicit is not None else [layer.values for layer in cache.layers]
 
+    @torch.inference_mode()  # as the engine's prefill runs: dynamo guards on grad mode, and recompiles (run 12)
     def warm(self, shapes: tuple[tuple[int, int], ...] = ((24, 8), (40, 16))) -> bool:
         """Build and drop suffix graphs of `shapes` (reused positions, suffix tokens) over zeros, where the
         explicit attention compiles: after two shapes torch.compile's code takes any length (automatic dynamic
