@@ -14,9 +14,11 @@ The blocks are chosen from the shape, not autotuned: the op runs inside the comp
 programs by itself (o_proj 256 programs of 8 rows, the router 128 of one row).
 
 `dense_gemv` is a `torch.library.triton_op`; eager code (the CPU) keeps F.linear. `VISMMOE_DECODE_GEMV` chooses
-which projections of the compiled token take a Triton kernel ("o,router" by default, "" none, "qkv" too:
+which projections of the compiled token take a Triton kernel ("router" by default, "" none, "o" and "qkv" too:
 `gemv_projections`): "o" and "qkv" this GEMV; "router" the router of kernels/decode_router.py `route_and_lookup`,
-GEMV, top-k and table lookup in one kernel, whose GEMV is this one's loop (it shares `blocks`).
+GEMV, top-k and table lookup in one kernel, whose GEMV is this one's loop (it shares `blocks`). o_proj is not on
+by default: on an H100 (run 12, docs/benchmarks.md) this GEMV took 15.2 us a layer for o_proj, cuBLAS's split-K
+GEMM and reduction 10.1 us together; tools/device/decode_checks.py times other blocks and warps for the next run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.kernels.moe_decode import triton_op
 
 PROJECTIONS = ("qkv", "o", "router")
-DEFAULT_PROJECTIONS = "o,router"
+DEFAULT_PROJECTIONS = "router"  # o_proj: slower than cuBLAS in run 12 (above)
 TILE = 4096  # elements of W a program holds per step: 16 per thread at 4 warps
 TARGET_ROWS = 256  # programs aimed at (an H200 has 132 SMs): rows per program = N / this, a power of two, <= 16
 
