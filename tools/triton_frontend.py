@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Triton's front end (AST -> TTIR for sm_90) on every kernel launch the interpreter runs, on the CPU.
+
+    PYTHONPATH=<triton> TRITON_INTERPRET=1 python tools/triton_frontend.py tests/test_decode_router.py ...
+
+runs pytest on the given tests (any pytest arguments) with each interpreted launch recorded, then compiles them.
+
+Under TRITON_INTERPRET=1 the tests record each launch's specialization (the same binder the GPU path uses); at the
+end, a process without the interpreter compiles each distinct one, so code the interpreter runs but the compiler
+refuses (a variable whose shape changes across an `if`, say) fails on the CPU instead of on a GPU call. The
+interpreter patches triton.language in place, which is why the compiling is done in another process."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+
+ARCH = 90  # sm_90: the H100 and H200
+# constexprs a kernel takes as the interpreter needs and the GPU otherwise (grouped_int4.py, decode_attention.py):
+# each launch is also compiled with the GPU's values
+GPU_CONSTEXPRS = {"NATIVE_CAST": True, "IEEE": False}
+
+
+def record(fn, args: tuple, kwargs: dict, launches: dict) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    py = fn.fn
+    jit = JITFunction.__new__(JITFunction)  # only for its parameters and _pack_args: no source is compiled here
+    JITFunction.__init__(jit, py)
+    backend = make_backend(GPUTarget("cuda", ARCH, 32))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound_args, specialization, options)
+    key = (py.__module__, py.__name__, py.__code__.co_firstlineno, repr(signature), repr(constexprs), repr(attrs),
+           repr(sorted(options.__dict__.items())))
+    launches.setdefault(key, (py.__module__, py.__name__, py.__code__.co_firstlineno, signature, constexprs, attrs,
+                              dict(options.__dict__)))
+
+
+def find_kernel(module: str, name: str, line: int):
+    """The JITFunction among a module's globals, in tuples too: some modules build their kernels on first use
+    (`_kernels()` / `_kernel()`, so that importing them needs no Triton), which this calls first."""
+    from triton.runtime.jit import JITFunction
+
+    scope = vars(importlib.import_module(module))
+    for builder in ("_kernels", "_kernel"):
+        if callable(scope.get(builder)):
+            scope[builder]()
+    for value in [v for g in scope.values() for v in (g if isinstance(g, tuple) else (g,))]:
+        while value is not None and not isinstance(value, JITFunction):
+            value = getattr(value, "fn", None)
+        if value is not None and value.fn.__name__ == name and value.fn.__code__.co_firstlineno == line:
+            return value
+    raise LookupError(f"{module}.{name} (line {line}) is not a Triton kernel among the module's globals")
+
+
+def compile_all(path: str) -> int:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", ARCH, 32)
+    backend = make_backend(target)
+    failures = total = 0
+    launches = pickle.load(open(path, "rb"))
+    for module, name, line, signature, constexprs, attrs, options in launches:
+        options = backend.parse_options(options)
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        kernel = find_kernel(module, name, line)
+        on_gpu = {(kernel.arg_names.index(k),): v for k, v in GPU_CONSTEXPRS.items() if k in kernel.arg_names}
+        for values in [constexprs] + ([{**constexprs, **on_gpu}] if on_gpu else []):
+            total += 1
+            try:
+                source = ASTSource(kernel, signature, values, attrs)
+                source.make_ir(target, options, backend.get_codegen_implementation(options),
+                               backend.get_module_map(), context)
+            except Exception as exc:  # noqa: BLE001 (each kernel's error is reported)
+                failures += 1
+                print(f"FRONT END FAILED {module}.{name} {signature} {values}: {exc}", file=sys.stderr)
+    print(f"front end (sm_{ARCH}): {total - failures} of {total} specializations compiled")
+    return failures
+
+
+def main() -> int:
+    """In the interpreter: the tests, recording; then this file again, without it, compiling."""
+    import os
+    import subprocess
+    import tempfile
+
+    import pytest
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: dict = {}
+    run = InterpretedFunction.run
+
+    def run_and_record(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        record(self, args, kwargs, launches)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run_and_record
+    status = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[1:]])
+    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+        pickle.dump(list(launches.values()), f)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return int(status) or subprocess.call([sys.executable, __file__, "--compile", f.name], env=env)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [".", "tests"]
+    if sys.argv[1:2] == ["--compile"]:
+        sys.exit(1 if compile_all(sys.argv[2]) else 0)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run under TRITON_INTERPRET=1 (the tests record their launches in the interpreter)")
+    sys.exit(main())
