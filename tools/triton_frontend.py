@@ -23,22 +23,25 @@ ARCH = 90  # sm_90: the H100 and H200
 GPU_CONSTEXPRS = {"NATIVE_CAST": True, "IEEE": False}
 
 
-def record(fn, args: tuple, kwargs: dict, launches: dict) -> None:
+_binders: dict = {}  # an interpreted kernel -> (its JITFunction, the sm_90 backend, the binder): built once
+
+
+def record(fn, args: tuple, kwargs: dict, launches: set) -> None:
+    """One interpreted launch's specialization for sm_90, as the GPU path's binder computes it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    py = fn.fn
-    jit = JITFunction.__new__(JITFunction)  # only for its parameters and _pack_args: no source is compiled here
-    JITFunction.__init__(jit, py)
-    backend = make_backend(GPUTarget("cuda", ARCH, 32))
-    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    if fn not in _binders:
+        jit = JITFunction(fn.fn)  # for its parameters and _pack_args only: nothing is compiled in this process
+        backend = make_backend(GPUTarget("cuda", ARCH, 32))
+        _binders[fn] = jit, backend, create_function_from_signature(jit.signature, jit.params, backend)
+    jit, backend, binder = _binders[fn]
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound_args, specialization, options)
-    key = (py.__module__, py.__name__, py.__code__.co_firstlineno, repr(signature), repr(constexprs), repr(attrs),
-           repr(sorted(options.__dict__.items())))
-    launches.setdefault(key, (py.__module__, py.__name__, py.__code__.co_firstlineno, signature, constexprs, attrs,
-                              dict(options.__dict__)))
+    py = fn.fn
+    launches.add(pickle.dumps((py.__module__, py.__name__, py.__code__.co_firstlineno, signature, constexprs, attrs,
+                               dict(options.__dict__))))  # fmt: skip
 
 
 def find_kernel(module: str, name: str, line: int):
@@ -66,7 +69,8 @@ def compile_all(path: str) -> int:
     target = GPUTarget("cuda", ARCH, 32)
     backend = make_backend(target)
     failures = total = 0
-    launches = pickle.load(open(path, "rb"))
+    with open(path, "rb") as f:
+        launches = [pickle.loads(launch) for launch in pickle.load(f)]
     for module, name, line, signature, constexprs, attrs, options in launches:
         options = backend.parse_options(options)
         context = ir.context()
@@ -89,14 +93,13 @@ def compile_all(path: str) -> int:
 
 def main() -> int:
     """In the interpreter: the tests, recording; then this file again, without it, compiling."""
-    import os
     import subprocess
     import tempfile
 
     import pytest
     from triton.runtime.interpreter import InterpretedFunction
 
-    launches: dict = {}
+    launches: set[bytes] = set()  # pickled, so that equal specializations count once
     run = InterpretedFunction.run
 
     def run_and_record(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
@@ -105,10 +108,11 @@ def main() -> int:
 
     InterpretedFunction.run = run_and_record
     status = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[1:]])
-    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
-        pickle.dump(list(launches.values()), f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return int(status) or subprocess.call([sys.executable, __file__, "--compile", f.name], env=env)
+    with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
+        pickle.dump(sorted(launches), f)
+        f.flush()
+        return int(status) or subprocess.call([sys.executable, __file__, "--compile", f.name], env=env)
 
 
 if __name__ == "__main__":
