@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_support import Server, assert_error, data_url, random_demo_model, user
+from serve_support import Server, assert_error, data_url, parse_prometheus, random_demo_model, user
 
 
 def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -347,19 +347,53 @@ def test_deep_json_is_a_400_not_a_dropped_connection(servers: dict[str, Server])
     assert_error(status, payload, 400, "invalid_json")
 
 
+def wait_for_no_other_connection(srv: Server, timeout: float = 10.0) -> dict[str, float]:
+    """Earlier tests' connections are released by their handler threads a moment after the client closes; a
+    test that counts connections starts once only the asking one is held (and no probe)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:  # refused (503, or reset) while the closed connections are still held
+            status, _, text = srv.request("GET", "/metrics")
+            metrics = parse_prometheus(text) if status == 200 else {}
+        except (OSError, http.client.HTTPException):
+            metrics = {}
+        quiet = metrics.get("vismmoe_open_connections") == 1 and metrics.get("vismmoe_probe_connections") == 0
+        if quiet or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
 def test_the_connection_cap(servers: dict[str, Server]) -> None:
     srv = servers["default"]
-    idle = [srv.raw_socket() for _ in range(8)]  # --max-connections 8, all held open
+    before = wait_for_no_other_connection(srv)
+    assert before["vismmoe_open_connections"] == 1 and before["vismmoe_open_connections_limit"] == 8
+    # --max-connections 8 and so 7 per client: 7 held, the 8th is past the cap and read for a probe (2 s at most)
+    idle = [srv.raw_socket() for _ in range(8)]
     try:
         time.sleep(0.3)
         status, _, payload = raw_request(srv, post_head("2"), b"{}")
         assert_error(status, payload, 503, "too_many_connections")
         status, _, payload = raw_request(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert status == 200 and payload["status"] == "ok"  # a probe is answered even at the cap (issue 22)
+        status, _, text = raw_request(srv, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        at_cap = parse_prometheus(text.decode())
+        assert status == 200 and at_cap["vismmoe_open_connections"] == 7
+        assert at_cap["vismmoe_probe_connections"] == 1  # the idle 8th (this probe freed its slot once read)
+        idle.append(srv.raw_socket())  # a 9th takes this client's second probe slot
+        time.sleep(0.3)
+        extra = srv.raw_socket()  # and a 10th is refused unread, and counted
+        try:
+            status = http.client.HTTPResponse(extra)
+            status.begin()
+            assert status.status == 503
+        finally:
+            extra.close()
     finally:
         for sock in idle:
             sock.close()
-    time.sleep(0.3)
+    after = wait_for_no_other_connection(srv)
+    assert after["vismmoe_open_connections"] == 1 and after["vismmoe_probe_connections"] == 0
+    assert after["vismmoe_connections_refused_total"] >= before["vismmoe_connections_refused_total"] + 1
     assert raw_request(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == 200
 
 

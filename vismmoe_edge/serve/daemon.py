@@ -96,6 +96,7 @@ class Service:
         self.started = time.time()
         self.profile_name: str | None = None  # the planner's choice, when it was asked
         self.settings: dict[str, Any] = {}  # what the engine was loaded with
+        self.listener: TCPServer | UnixServer | None = None  # for /metrics' connection counts
         self.handlers = 0  # chat-completion handlers still answering: drained before exit
         self.handlers_lock = threading.Lock()
         self.grammar_lock = threading.Lock()
@@ -319,6 +320,7 @@ class Service:
                     [({}, worker.admission.held if worker else 0)],
                 ),
                 *metrics_text.prefix_cache_samples(self.engine.prefix_cache if self.engine is not None else None),
+                *(self.listener.connection_samples() if self.listener is not None else []),
             ],
         )
 
@@ -444,6 +446,7 @@ def serve(options: ServeOptions) -> int:
 def start_http(options: ServeOptions, service: Service) -> TCPServer | UnixServer:
     """Listen before loading: /health answers "loading", and a taken port fails before a long load."""
     httpd = make_server(options.host, options.port, options.unix_socket, service, options.socket_mode)
+    service.listener = httpd
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True).start()
     if options.unix_socket is None and not service.policy.loopback_only and not options.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", options.host)

@@ -14,6 +14,7 @@ import queue
 import select
 import socket
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Protocol
@@ -420,6 +421,10 @@ class ProbeHandler(Handler):
     PROBES = ("/health", "/metrics")
     PROBE_HEADER_S = 2.0
 
+    def __init__(self, request: Any, client_address: Any, server: Any, free_slot: Callable[[], None]) -> None:
+        self.free_slot = free_slot
+        super().__init__(request, client_address, server)
+
     def handle(self) -> None:
         self.close_connection = True
         self.handle_one_request()
@@ -428,6 +433,9 @@ class ProbeHandler(Handler):
         return min(self.PROBE_HEADER_S, self.service.limits.header_timeout_s)
 
     def admit(self, method: str) -> str | None:
+        # The head is read: this connection can no longer hold a probe slot by trickling bytes. Freed before the
+        # answer is written, so a client that has its answer finds the slot free for its next probe.
+        self.free_slot()
         self.close_connection = True
         if method == "GET" and urlparse(self.path).path in self.PROBES:
             return super().admit(method)

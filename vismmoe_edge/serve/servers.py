@@ -41,7 +41,19 @@ class ServerMixin:
         self.connections = 0
         self.per_client: Counter[str] = Counter()
         self.probes: Counter[str] = Counter()
+        self.refused = 0  # connections answered 503 at the caps without being read
         self.connections_lock = threading.Lock()
+
+    def connection_samples(self) -> list[Any]:
+        """For /metrics: an operator sees a flood of connections before clients see 503s."""
+        with self.connections_lock:
+            held, probes, refused = self.connections, self.probes.total(), self.refused
+        return [
+            ("vismmoe_open_connections", "gauge", "connections held now, the one asking included", [({}, held)]),
+            ("vismmoe_open_connections_limit", "gauge", "--max-connections", [({}, self.max_connections)]),
+            ("vismmoe_probe_connections", "gauge", "connections past the caps read for a probe", [({}, probes)]),
+            ("vismmoe_connections_refused_total", "counter", "connections refused at the caps", [({}, refused)]),
+        ]
 
     def process_request(self, request: Any, client_address: Any) -> None:
         client = peer_identity(request, client_address)
@@ -56,6 +68,8 @@ class ServerMixin:
                 self.per_client[client] += 1
             elif probe:
                 self.probes[client] += 1
+            else:
+                self.refused += 1
         if admitted:
             try:
                 super().process_request(request, client_address)  # type: ignore[misc]
@@ -70,15 +84,23 @@ class ServerMixin:
         threading.Thread(target=self.serve_probe, args=(request, client_address, client), daemon=True).start()
 
     def serve_probe(self, request: Any, client_address: Any, client: str) -> None:
+        freed = False
+
+        def free_slot() -> None:
+            nonlocal freed
+            with self.connections_lock:
+                if not freed:
+                    freed = True
+                    self.probes[client] -= 1
+                    if self.probes[client] <= 0:
+                        del self.probes[client]
+
         try:
-            ProbeHandler(request, client_address, self)
+            ProbeHandler(request, client_address, self, free_slot)
         except Exception:  # noqa: S110 - a probe connection that fails is simply closed
             pass
         finally:
-            with self.connections_lock:
-                self.probes[client] -= 1
-                if self.probes[client] <= 0:
-                    del self.probes[client]
+            free_slot()
             self.shutdown_request(request)  # type: ignore[attr-defined]
 
     def cap_reason(self, client: str) -> str:
