@@ -15,12 +15,12 @@ needs_interpreter = pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET,
 
 
 def test_blocks_give_enough_programs_at_30b_a3b_shapes() -> None:
-    assert blocks(2048, 4096) == (8, 512)  # o_proj: 256 programs
+    assert blocks(2048, 4096) == (2, 1024)  # o_proj: 1,024 programs, the fastest blocks of run 13's sweep
     assert blocks(128, 2048) == (1, 2048)  # the router: 128 programs, one step each
-    assert blocks(5120, 2048) == (16, 256)  # q, k and v stacked: 320 programs
+    assert blocks(5120, 2048) == (4, 512)  # q, k and v stacked: 1,280 programs
     for n, k in ((2048, 4096), (128, 2048), (5120, 2048), (3, 40)):
         rows, cols = blocks(n, k)
-        assert rows & (rows - 1) == 0 and cols & (cols - 1) == 0 and rows * cols <= 4096
+        assert rows & (rows - 1) == 0 and cols & (cols - 1) == 0 and rows * cols <= 2048
 
 
 @needs_interpreter

@@ -73,8 +73,11 @@ compiled)
         | grep "^\[" | tail -20
     timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
+    # the o-gemv row: o_proj on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster)
+    STRATS=device-resident,device-resident-compiled,device-resident-compiled-cublas,device-resident-compiled-o-gemv
+    STRATS=${COMPILED_STRATS:-$STRATS}
     timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-        --repeats "${REPEATS:-2}" --strategies device-resident,device-resident-compiled,device-resident-compiled-cublas \
+        --repeats "${REPEATS:-2}" --strategies "$STRATS" \
         --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"

@@ -11,14 +11,17 @@ to cover the SMs, no split-K.
 
 The blocks are chosen from the shape, not autotuned: the op runs inside the compiled decode layer
 (kernels/decode_layer.py), where a fixed grid is what inductor calls most simply, and a shape gives enough
-programs by itself (o_proj 256 programs of 8 rows, the router 128 of one row).
+programs by itself (o_proj 1,024 programs of 2 rows x 1,024 columns, the router 128 of one row). On an H100 (run
+13's sweep, docs/benchmarks.md) those o_proj blocks took 5.3 us alone in a graph, the earlier 8 x 512 8.9 us and
+cuBLAS 13.6 us.
 
 `dense_gemv` is a `torch.library.triton_op`; eager code (the CPU) keeps F.linear. `VISMMOE_DECODE_GEMV` chooses
 which projections of the compiled token take a Triton kernel ("router" by default, "" none, "o" and "qkv" too:
 `gemv_projections`): "o" and "qkv" this GEMV; "router" the router of kernels/decode_router.py `route_and_lookup`,
 GEMV, top-k and table lookup in one kernel, whose GEMV is this one's loop (it shares `blocks`). o_proj is not on
-by default: on an H100 (run 12, docs/benchmarks.md) this GEMV took 15.2 us a layer for o_proj, cuBLAS's split-K
-GEMM and reduction 10.1 us together; tools/device/decode_checks.py times other blocks and warps for the next run.
+by default: on an H100 (run 12) this GEMV with 8 x 512 blocks took 15.2 us a layer inside the token, cuBLAS's
+split-K GEMM and reduction 10.1 us together; the 2 x 1,024 blocks wait for a token's measurement
+(`VISMMOE_DECODE_GEMV=router,o`) before o_proj joins the default.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from vismmoe_edge.kernels.moe_decode import triton_op
 
 PROJECTIONS = ("qkv", "o", "router")
 DEFAULT_PROJECTIONS = "router"  # o_proj: slower than cuBLAS in run 12 (above)
-TILE = 4096  # elements of W a program holds per step: 16 per thread at 4 warps
-TARGET_ROWS = 256  # programs aimed at (an H200 has 132 SMs): rows per program = N / this, a power of two, <= 16
+TILE = 2048  # elements of W a program holds per step: 16 per thread at 4 warps
+# programs aimed at (an H200 has 132 SMs; more programs of fewer rows ran faster in run 13):
+# rows per program = N / this, a power of two, <= 16
+TARGET_ROWS = 1024
 
 
 def gemv_projections(value: str | None = None) -> frozenset[str]:
