@@ -12,8 +12,8 @@ to cover the SMs, no split-K.
 The blocks are chosen from the shape, not autotuned: the op runs inside the compiled decode layer
 (kernels/decode_layer.py), where a fixed grid is what inductor calls most simply, and a shape gives enough
 programs by itself (o_proj 1,024 programs of 2 rows x 1,024 columns, the router 128 of one row). On an H100 (run
-13's sweep, docs/benchmarks.md) those o_proj blocks took 5.3 us alone in a graph, the earlier 8 x 512 8.9 us and
-cuBLAS 13.6 us.
+13's sweep, docs/benchmarks.md) those o_proj blocks took 5.3 us alone in a graph (the weight can stay in L2 there),
+the earlier 8 x 512 8.9 us and cuBLAS 13.6 us.
 
 `dense_gemv` is a `torch.library.triton_op`; eager code (the CPU) keeps F.linear. `VISMMOE_DECODE_GEMV` chooses
 which projections of the compiled token take a Triton kernel ("router" by default, "" none, "o" and "qkv" too:
