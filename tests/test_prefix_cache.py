@@ -104,11 +104,11 @@ def test_a_suffix_over_padded_graph_buffers_keeps_tokens_and_hits(
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
-def test_the_daemon_warms_the_suffix_attention_for_two_shapes_and_keeps_no_graph(
+def test_the_daemon_warms_the_suffix_attention_for_its_shapes_and_keeps_no_graph(
     checkpoints: dict[str, Path], images: list[Path], question_refs: dict
 ) -> None:
     """serve/warmup.py: where the suffix attention compiles (CUDA), the daemon runs it before READY over zeros of
-    two shapes, so that torch.compile's code takes any length, and drops those graphs. Here the compiled flag is
+    the warm shapes, so that torch.compile's code takes any length, and drops those graphs. Here the compiled flag is
     set by hand over the eager code (the CPU compiles nothing): the two shapes run, nothing is kept, and the
     next question still gets transformers' tokens."""
     from vismmoe_edge.loader import load
@@ -131,9 +131,23 @@ def test_the_daemon_warms_the_suffix_attention_for_two_shapes_and_keeps_no_graph
     explicit.attend = recording  # type: ignore[method-assign]
     explicit.compiled = True
     assert warm_suffix_graphs(engine) is not None
-    assert shapes == {(24, 8), (40, 16)} and not graphs.graphs and graphs.enabled
+    assert shapes == {(24, 8), (40, 16), (37, 16)} and not graphs.graphs and graphs.enabled
     assert engine.experts.pipeline.stats.hits == 0  # the warm-up's zeros count nothing
     check_reuse(engine, question_refs, QUESTIONS, images[0])
+
+
+def test_the_warm_shapes_compile_the_attention_mask_aligned_and_not() -> None:
+    """Inductor guards an SDPA mask's strides on alignment to 8 elements on CUDA (torch/_inductor/ir.py
+    is_aligned_realized_tensor), and the mask's row stride is reused + padded positions: run 13's daemon warmed
+    two aligned shapes (24 + 8, 40 + 16), and the first question after a frame, 1,094 + 32, compiled again for
+    3 s. The shapes after the first (those compiled with dynamic lengths) cover both cases."""
+    from vismmoe_edge.suffix_graph import MASK_ALIGNMENT, WARM_SHAPES, padded_length
+
+    dynamic = WARM_SHAPES[1:]
+    aligned = {(reused + padded_length(tokens)) % MASK_ALIGNMENT == 0 for reused, tokens in dynamic}
+    assert aligned == {True, False}
+    assert len({padded_length(t) for _, t in WARM_SHAPES[:2]}) == 2  # the first two differ: lengths go dynamic
+    assert len({r for r, _ in WARM_SHAPES[:2]}) == 2
 
 
 def test_after_the_warm_up_the_first_question_after_a_frame_compiles_nothing(
@@ -141,8 +155,9 @@ def test_after_the_warm_up_the_first_question_after_a_frame_compiles_nothing(
 ) -> None:
     """Run 12 (an H100): the daemon warmed the suffix attention, yet its first question after a cached frame took
     5.9 s, the next 0.03 s. The warm-up ran with autograd on and requests run under inference mode; dynamo guards
-    on that and compiled again. Compiled here for real (inductor's CPU backend), the warm-up's two graphs are all
-    there are after a question."""
+    on that and compiled again. Compiled here for real (inductor's CPU backend, which has no mask alignment
+    guard, so the third warm shape compiles nothing more), the warm-up's two graphs are all there are after a
+    question."""
     from torch._dynamo.utils import counters
 
     from vismmoe_edge.kernels.suffix_layer import SuffixLayers

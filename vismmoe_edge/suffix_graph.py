@@ -45,6 +45,14 @@ from vismmoe_edge.static_decode import capture_stream, compiles_layers
 MAX_TOKENS = 64  # a longer suffix is less bound by the host, and each length would need its own graph
 MIN_PADDED = 8
 MAX_GRAPHS = 2  # each holds its KV outputs and activations (~0.35 GB at 30B-A3B with a 1,100-token prefix)
+# (reused positions, suffix tokens) the daemon compiles before READY (`SuffixGraphs.warm`). The first two make
+# torch.compile's code take any length (automatic dynamic shapes). On CUDA inductor then guards the attention
+# mask's row stride, reused + padded positions, on alignment to 8 elements (the SDPA kernels' bias alignment:
+# torch/_inductor/ir.py `is_aligned_realized_tensor`, "guard to recompile when necessary"): 24 + 8 and 40 + 16 are
+# aligned, so run 13's first question after a frame (1,094 reused + 32) compiled again for 3 s. The third shape,
+# 37 + 16 = 53, compiles the unaligned case too.
+WARM_SHAPES = ((24, 8), (40, 16), (37, 16))
+MASK_ALIGNMENT = 8
 
 
 def padded_length(tokens: int) -> int:
@@ -221,11 +229,12 @@ class SuffixGraphs:
         graph.values = values if explicit is not None else [layer.values for layer in cache.layers]
 
     @torch.inference_mode()  # as the engine's prefill runs: dynamo guards on grad mode, and recompiles (run 12)
-    def warm(self, shapes: tuple[tuple[int, int], ...] = ((24, 8), (40, 16))) -> bool:
+    def warm(self, shapes: tuple[tuple[int, int], ...] = WARM_SHAPES) -> bool:
         """Build and drop suffix graphs of `shapes` (reused positions, suffix tokens) over zeros, where the
         explicit attention compiles: after two shapes torch.compile's code takes any length (automatic dynamic
-        shapes), so the first question after a cached frame does not wait seconds for the compiler (the daemon
-        calls this before READY: serve/warmup.py). True where it compiled."""
+        shapes), and the third compiles the mask's other alignment (WARM_SHAPES), so the first question after a
+        cached frame does not wait seconds for the compiler (the daemon calls this before READY:
+        serve/warmup.py). True where it compiled."""
         explicit = self.suffix_layers() if self.applies(MIN_PADDED, 0) else None
         if explicit is None or not explicit.compiled:
             return False

@@ -45,7 +45,7 @@ def forced_logits(engine, inputs, tokens: list[int], *, use_cache: bool) -> list
     return steps
 
 
-def second_question(model_dir: Path, images: list[Path], device: str, budget: str) -> dict:
+def second_question(model_dir: Path, images: list[Path], device: str, budget: str, warm_suffix: bool = False) -> dict:
     import vismmoe_edge
     from vismmoe_edge.prefix_cache import PrefixCache
     from vismmoe_edge.sampling import SamplingConfig
@@ -54,6 +54,8 @@ def second_question(model_dir: Path, images: list[Path], device: str, budget: st
     engine.prefix_cache = PrefixCache(8 * 2**30, salt=f"{model_dir}|{engine.dtype}|{engine.device}")
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     out: dict = {"frames": []}
+    if warm_suffix:  # as the daemon does before READY: the suffix layers then run the code compiled for any length
+        out["suffix_graphs_warmed"] = engine.suffix_graphs.warm()
     ok = True
     for image in images:
         engine.generate_from_inputs(engine.encode(FIRST, [image]), sampling)  # keeps the image's prefix
@@ -62,7 +64,8 @@ def second_question(model_dir: Path, images: list[Path], device: str, budget: st
         result = engine.generate_from_inputs(inputs, sampling)
         warm, reused = result.token_ids, result.timings.prefix_reused_tokens
         frame: dict = {"image": image.name, "reused_tokens": reused, "equal": warm == cold,
-                       "suffix_graph_tokens": result.timings.suffix_graph_tokens}  # fmt: skip
+                       "suffix_graph_tokens": result.timings.suffix_graph_tokens,
+                       "prefill_s": result.timings.prefill_s}  # fmt: skip
         ok &= reused > 0
         # every expert resident on CUDA: the question after the image runs as a replayed graph (suffix_graph.py)
         ok &= device != "cuda" or budget != "100%" or result.timings.suffix_graph_tokens > 0
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--model", type=Path, help="also check this checkpoint (every expert resident)")
     ap.add_argument("--image", type=Path, action="append", default=[], help="an image for --model (repeatable)")
+    ap.add_argument("--warm", action="store_true", help="for --model: warm the suffix graphs first, as the daemon "
+                    "does (the compiled attention then takes any length: the daemon's code)")  # fmt: skip
     args = ap.parse_args(argv)
     from igpu_checks import make_images
 
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                        lambda budget=budget: second_question(tiny, images, args.device, budget))  # fmt: skip
         if args.model is not None:
             checks.run(f"second question, {args.model.name}",
-                       lambda: second_question(args.model, args.image or images[:1], args.device, "100%"))  # fmt: skip
+                       lambda: second_question(args.model, args.image or images[:1], args.device, "100%",
+                                               warm_suffix=args.warm))  # fmt: skip
     args.out.write_text(json.dumps(checks.results, indent=1))
     return 0 if all(r["status"] != "fail" for r in checks.results) else 1
 
