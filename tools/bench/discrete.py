@@ -698,7 +698,10 @@ def main() -> None:
                 resident = profile_decode(engines["all-resident"], image, replay)
                 profiles.append({"engine": "every expert resident, device path", **resident})
                 print("profile", profiles[-1], flush=True)
-                if "device-resident-compiled" in wanted and "device-resident-compiled" not in failed:
+                # compiled layers: the row that asks for them, or every device row (the int4 call's): where the
+                # token's time goes with the kernels a user gets
+                compiled = "device-resident-compiled" in wanted or args.compile_device_rows
+                if compiled and "device-resident-compiled" not in failed:
                     engines["all-resident"].compile_decode = True
                     resident = profile_decode(engines["all-resident"], image, replay)
                     profiles.append({"engine": "every expert resident, device path, compiled layers", **resident})
