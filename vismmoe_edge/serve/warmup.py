@@ -48,9 +48,10 @@ def warm_decoder(engine: Any, positions: int) -> float | None:
 
 def warm_suffix_graphs(engine: Any) -> float | None:
     """Compile the explicit attention of the question after a cached frame (suffix_graph.py,
-    kernels/suffix_layer.py) for two shapes, so that no request waits for it; returns the seconds it took, or None
-    where nothing compiles (the CPU, no prefix cache, layers that need the host). A failure is logged and turns
-    the suffix graphs off: the daemon serves on, prefilling such questions eagerly."""
+    kernels/suffix_layer.py) for its warm shapes (suffix_graph.WARM_SHAPES), so that no request waits for it;
+    returns the seconds it took, or None where nothing compiles (the CPU, no prefix cache, layers that need the
+    host). A failure is logged and turns the suffix graphs off: the daemon serves on, prefilling such questions
+    eagerly."""
     if engine.prefix_cache is None:
         return None
     start = time.perf_counter()
