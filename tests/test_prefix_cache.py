@@ -109,7 +109,7 @@ def test_the_daemon_warms_the_suffix_attention_for_its_shapes_and_keeps_no_graph
 ) -> None:
     """serve/warmup.py: where the suffix attention compiles (CUDA), the daemon runs it before READY over zeros of
     the warm shapes, so that torch.compile's code takes any length, and drops those graphs. Here the compiled flag is
-    set by hand over the eager code (the CPU compiles nothing): the two shapes run, nothing is kept, and the
+    set by hand over the eager code (the CPU compiles nothing): the shapes run, nothing is kept, and the
     next question still gets transformers' tokens."""
     from vismmoe_edge.loader import load
     from vismmoe_edge.serve.warmup import warm_suffix_graphs
