@@ -4,6 +4,9 @@
     PYTHONPATH=<triton> TRITON_INTERPRET=1 python tools/triton_frontend.py tests/test_decode_router.py ...
 
 runs pytest on the given tests (any pytest arguments) with each interpreted launch recorded, then compiles them.
+Triton 3.6's interpreter converts one-element arrays to Python ints, which numpy 2.4 refuses ("only 0-dimensional
+arrays can be converted to Python scalars"): put numpy < 2.4 beside Triton on that PYTHONPATH
+(`pip install --target <triton> numpy==2.3.5`).
 
 Under TRITON_INTERPRET=1 the tests record each launch's specialization (the same binder the GPU path uses); at the
 end, a process without the interpreter compiles each distinct one, so code the interpreter runs but the compiler
