@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checks import Checks  # noqa: E402
+from quant_checks import cuda_median_us  # noqa: E402
 
 from tests.hf_reference import NEW_TOKENS, PROMPTS, hf_kwargs, near_tie_divergence  # noqa: E402
 
@@ -160,16 +160,7 @@ def timed_cold(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
     back to back (`timed`), an int4 layer's 20 MB of records stays in L2, which a token's 48 layers do not allow
     (run 13: the int4 token saved 0.35 ms against bf16 where `timed` layers predicted ~0.8 ms)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return cuda_median_us(fn, reps, before=flush.zero_)
 
 
 def in_graph(fn):  # type: ignore[no-untyped-def]

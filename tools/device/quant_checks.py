@@ -60,12 +60,15 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
 
-def cuda_median_us(fn: Callable[[], object], iters: int) -> float:
+def cuda_median_us(fn: Callable[[], object], iters: int, before: Callable[[], object] | None = None) -> float:
+    """Median microseconds of single calls between CUDA events; `before` runs ahead of each, outside the events."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
