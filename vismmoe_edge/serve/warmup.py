@@ -12,12 +12,41 @@ statistics are reset after.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("vismmoe_edge.serve")
 
 WARMUP_PROMPT = "Hello."
+
+
+def on_worker_threads(threads: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a thread of its own with torch's CPU thread count set to the worker's. torch.compile guards
+    the calling thread's count (dynamo's GLOBAL_STATE guard): compiled on the loading thread, which runs on one
+    (daemon.py), every compiled function recompiled on the worker's first request (run 15: the question after a
+    cached frame, 2.0 s instead of 0.03). A short-lived thread, so that the loading thread keeps no OpenMP team."""
+    import torch
+
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        try:
+            result.append(fn(*args))
+        except BaseException as e:  # re-raised on the calling thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="vismmoe-warmup")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def warm_decoder(engine: Any, positions: int) -> float | None:
