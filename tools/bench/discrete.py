@@ -550,7 +550,8 @@ def main() -> None:
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
                     "device-resident-compiled-serial (no token launched ahead), device-resident-compiled-cublas "
-                    "(no Triton GEMV), device-resident-compiled-o-gemv (o_proj on the Triton GEMV too), "
+                    "(no Triton GEMV), device-resident-compiled-o-gemv (router and o_proj on the Triton GEMV: the "
+                    "default since run 15), device-resident-compiled-qkv-gemv (qkv too), "
                     "device-popularity, device-mapped, "
                     "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
@@ -598,7 +599,8 @@ def main() -> None:
     engines: dict[str, object] = {}
     if not args.baselines_only:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial",
-                     "device-resident-compiled-cublas", "device-resident-compiled-o-gemv"}:  # fmt: skip
+                     "device-resident-compiled-cublas", "device-resident-compiled-o-gemv",
+                     "device-resident-compiled-qkv-gemv"}:  # fmt: skip
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
                        "device-mapped-promotion-8", "budget-default"}  # fmt: skip
@@ -628,9 +630,12 @@ def main() -> None:
                 # compiled, every projection on cuBLAS (before dense_gemv.py): what the Triton GEMV gives
                 ("all-resident", "device-resident-compiled-cublas", {"device_decode": "auto", "compiled": True,
                                                                      "gemv": ""}),  # fmt: skip
-                # o_proj on the Triton GEMV as well, with run 13's sweep's blocks: does it join the default?
+                # o_proj on the Triton GEMV as well, with run 13's sweep's blocks (the default since run 15)
                 ("all-resident", "device-resident-compiled-o-gemv", {"device_decode": "auto", "compiled": True,
                                                                      "gemv": "router,o"}),  # fmt: skip
+                # qkv too: does it join the default?
+                ("all-resident", "device-resident-compiled-qkv-gemv", {"device_decode": "auto", "compiled": True,
+                                                                       "gemv": "router,o,qkv"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),
                 ("budget", "device-mapped", {"device_decode": "on", "mapped": True}),
                 # the same with up to 8 experts read in place promoted into slots a token (off by default since

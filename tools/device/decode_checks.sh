@@ -22,9 +22,10 @@
 #                                                 host memory a token / pinned rate), without and with prefetch
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
 #                                                 equivalence checks and host syncs, the one-MoE-layer and
-#                                                 attention timings, then discrete.py resident: device path eager,
-#                                                 compiled, and compiled with every projection on cuBLAS, against
-#                                                 transformers' static cache, with profiles
+#                                                 attention timings, then discrete.py resident: compiled (router
+#                                                 and o_proj on our GEMV, the default), with qkv on it too, and
+#                                                 every projection on cuBLAS, against transformers' static cache,
+#                                                 with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
 MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled|unified}
@@ -67,14 +68,17 @@ checks|suite)
     echo "cuda suite: $passed runs clean" | tee "$OUT/cuda_suite_summary.txt"
     ;;
 compiled)
+    # the checkpoint first (~90 s on a fresh machine): built after the checks, with what time they left, run 15's
+    # build was killed at 76% and the next step built it again from the start
+    timeout $(( $(left) - 330 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== decode checks with compiled layers (equivalence under the near-tie rule, host syncs), one MoE layer"
     LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
     timeout 150 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
         | grep "^\[" | tail -20
-    timeout $(( $(left) - 280 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
-    # the o-gemv row: o_proj on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster)
-    STRATS=device-resident,device-resident-compiled,device-resident-compiled-cublas,device-resident-compiled-o-gemv
+    # the qkv-gemv row: qkv on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster, as
+    # o_proj did in run 15)
+    STRATS=device-resident-compiled,device-resident-compiled-qkv-gemv,device-resident-compiled-cublas
     STRATS=${COMPILED_STRATS:-$STRATS}
     timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --repeats "${REPEATS:-2}" --strategies "$STRATS" \
