@@ -513,3 +513,26 @@ def test_replayed_routing_on_the_fused_device_path_is_recorded(checkpoints, tmp_
     layers = len(engine.language_model.layers)
     want = np.stack([trace.expert_ids[last, layer % 3] for layer in range(layers)])
     assert np.array_equal(decoder.routing.numpy(), want) and not decoder.missed.any()
+
+
+def test_every_layer_hands_the_compiled_attention_the_same_kind_of_expert_rows(checkpoints, references) -> None:
+    """torch.compile guards each tensor argument's dispatch keys, and an inference tensor has other keys than a
+    plain one: run 15's daemon log showed the compiled `attend` compiled twice for every new decoder ("tensor
+    'experts' dispatch key set mismatch"), because layer 0 took the decoder's zeros, made outside inference mode,
+    and every later layer the previous layer's expert rows, made inside it. The zeros are an inference tensor."""
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", pinned_layers=1, device="cpu", tier="host")
+    engine.static_decode = engine.device_decode = "on"
+    engine.compile_decode = True  # the fused layers, eager on the CPU
+    ref = next(iter(references.values()))
+    engine.generate_from_inputs(ref.inputs, SamplingConfig(max_new_tokens=2, min_new_tokens=2))
+    (decoder,) = engine._decoders.values()
+    kinds: list[bool] = []
+    attend = decoder.fused.attend
+
+    def recording(i, experts, *args):  # type: ignore[no-untyped-def]
+        kinds.append(experts.is_inference())
+        return attend(i, experts, *args)
+
+    decoder.fused.attend = recording
+    engine.generate_from_inputs(ref.inputs, SamplingConfig(max_new_tokens=3, min_new_tokens=3))
+    assert len(kinds) >= 2 * len(decoder.lm.layers) and all(kinds), kinds

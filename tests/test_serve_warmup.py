@@ -4,13 +4,20 @@ tokens, nothing stays in the prefix cache and the pipeline's statistics start at
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 import vismmoe_edge
 from tests.hf_reference import NEW_TOKENS
 from vismmoe_edge.prefix_cache import PrefixCache
 from vismmoe_edge.sampling import SamplingConfig
-from vismmoe_edge.serve.warmup import on_worker_threads, warm_decoder
+from vismmoe_edge.serve.metrics import Metrics
+from vismmoe_edge.serve.protocol import Limits
+from vismmoe_edge.serve.warmup import warm_decoder
+from vismmoe_edge.serve.worker import Worker
 from vismmoe_edge.static_decode import capacity_for
 
 
@@ -33,13 +40,14 @@ def test_the_warm_decoder_serves_every_later_request(checkpoints, references) ->
     assert cache.stats().entries > 0  # the requests did keep their prefixes: the warm-up alone kept none
 
 
-def compiles_on_threads(warm_threads: int, serve_threads: int) -> int:
-    """Graphs torch.compile builds for one function warmed by `on_worker_threads(warm_threads)` on a loading
-    thread that runs on one (as daemon.py's), then called on a worker thread that runs on `serve_threads`."""
-    import threading
+def worker(threads: int) -> Worker:
+    engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
+    return Worker(engine, Limits(), Metrics(), threads=threads)  # type: ignore[arg-type]
 
-    import torch
 
+def compiles_after_warming(warm_on_worker: bool, threads: int) -> int:
+    """Graphs torch.compile builds for a request on a worker of `threads` CPU threads, after a warm-up on the
+    worker's thread (`Worker.call`, as the daemon does) or on the loading thread, which runs on one (daemon.py)."""
     graphs = []
 
     def counting(gm, example_inputs):  # type: ignore[no-untyped-def]
@@ -50,37 +58,37 @@ def compiles_on_threads(warm_threads: int, serve_threads: int) -> int:
     fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, backend=counting, dynamic=False)
     x = torch.randn(8)
     main_threads = torch.get_num_threads()
+    w = worker(threads)
     torch.set_num_threads(1)
     try:
-        on_worker_threads(warm_threads, fn, x)
+        w.call(fn, x) if warm_on_worker else fn(x)
         assert torch.get_num_threads() == 1  # the loading thread's own count is left as it was
         warmed = len(graphs)
-
-        def serve() -> None:
-            torch.set_num_threads(serve_threads)
-            fn(x)
-
-        worker = threading.Thread(target=serve)
-        worker.start()
-        worker.join()
+        w.call(fn, x)  # a request, on the worker's thread
     finally:
+        w.stop.set()
+        w.thread.join(timeout=10)
         torch.set_num_threads(main_threads)
         torch._dynamo.reset()
     assert warmed == 1
     return len(graphs) - warmed
 
 
-def test_the_warm_up_compiles_with_the_workers_thread_count() -> None:
+def test_the_warm_up_compiles_on_the_workers_thread() -> None:
     """Run 15's daemon log: "GLOBAL_STATE changed: num_threads" recompiled the suffix attention on the first
-    question after a cached frame (2.0 s), because the warm-up ran on the loading thread (one thread) and the
-    request on the worker (the default count). Warmed with the worker's count, the request compiles nothing."""
-    assert compiles_on_threads(warm_threads=2, serve_threads=2) == 0
-    assert compiles_on_threads(warm_threads=1, serve_threads=2) == 1  # the guard the daemon used to fail
+    question after a cached frame (2.0 s), because the warm-up ran on the loading thread (one CPU thread) and the
+    request on the worker (the default count). Warmed on the worker's thread, the request compiles nothing."""
+    assert compiles_after_warming(warm_on_worker=True, threads=2) == 0
+    assert compiles_after_warming(warm_on_worker=False, threads=2) == 1  # the guard the daemon used to fail
 
 
-def test_on_worker_threads_returns_and_raises_on_the_caller() -> None:
-    import torch
-
-    assert on_worker_threads(3, torch.get_num_threads) == 3
-    with pytest.raises(ZeroDivisionError):
-        on_worker_threads(1, lambda: 1 / 0)
+def test_a_call_on_the_worker_returns_and_raises_on_the_caller() -> None:
+    w = worker(3)
+    try:
+        assert w.call(lambda: (torch.get_num_threads(), threading.current_thread().name)) == (3, "vismmoe-worker")
+        with pytest.raises(ZeroDivisionError):
+            w.call(lambda: 1 / 0)
+        assert w.call(lambda: "still serving") == "still serving"
+    finally:
+        w.stop.set()
+        w.thread.join(timeout=10)

@@ -244,8 +244,10 @@ class StaticDecoder:
             if on_gpu and not compile:
                 warnings.warn("torch.compile needs Triton: the decode layers run eagerly", stacklevel=2)
             self.fused = FusedLayers(self.lm, compile=compile, gemv=engine.decode_gemv)
-            # the first layer's "previous experts": zeros of the shape the Triton path gives (one compilation)
-            self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
+            # the first layer's "previous experts": zeros of the shape the Triton path gives, an inference tensor
+            # as the later layers' rows are (torch.compile guards the dispatch keys: else two compilations)
+            with torch.inference_mode():
+                self.no_experts = dev(routed_k, hidden_size, dtype=torch.float32)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.host_length = 0  # layer 0's filled positions, known on the host without a sync

@@ -287,7 +287,7 @@ def one_kernel_router() -> dict:
     (cuBLAS's GEMV, the top-k kernel, the lookup kernel), over 200 random tokens: the same experts and slots
     wherever the reference's k-th and (k+1)-th logits are apart (near-ties counted, not failed)."""
     from vismmoe_edge.kernels.decode_layer import make_route
-    from vismmoe_edge.kernels.decode_router import route_and_lookup
+    from vismmoe_edge.kernels.decode_router import ROUTE_WARPS, route_and_lookup
 
     experts, hidden, k = 128, 2048, 8
     w = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
@@ -296,23 +296,38 @@ def one_kernel_router() -> dict:
     routing, missed = torch.zeros(k, dtype=torch.long, device="cuda"), torch.zeros((), dtype=torch.bool, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     compiled = torch.compile(make_route(k), dynamic=False, fullgraph=True)
-    differ = near_ties = 0
-    for _ in range(200):
-        x.copy_(torch.randn(1, hidden, device="cuda"))
-        index, _, slots = route_and_lookup(x, w, table, routing, missed, counter)
-        ref_index, _, ref_slots, _ = compiled(x, w, table, routing, missed)
-        if not (torch.equal(index, ref_index) and torch.equal(slots, ref_slots)):
-            logits = F.linear(x, w).float().topk(k + 1).values[0]
-            near_ties += bool(logits[k - 1] - logits[k] <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max())
-            differ += 1
+
+    def compare(warps: int) -> tuple[int, int]:
+        """(tokens differing from the compiled router, of which near-ties) over 200 random tokens."""
+        differ = near_ties = 0
+        for _ in range(200):
+            x.copy_(torch.randn(1, hidden, device="cuda"))
+            index, _, slots = route_and_lookup(x, w, table, routing, missed, counter, num_warps=warps)
+            ref_index, _, ref_slots, _ = compiled(x, w, table, routing, missed)
+            if not (torch.equal(index, ref_index) and torch.equal(slots, ref_slots)):
+                logits = F.linear(x, w).float().topk(k + 1).values[0]
+                near_ties += bool(logits[k - 1] - logits[k] <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max())
+                differ += 1
+        return differ, near_ties
+
+    differ, near_ties = compare(ROUTE_WARPS)
     one_us = timed(in_graph(lambda: route_and_lookup(x, w, table, routing, missed, counter)))
     three_us = timed(in_graph(lambda: compiled(x, w, table, routing, missed)))
+    # warps a program (decode_router.ROUTE_WARPS): time and tokens of each, for the next default
+    sweep = {}
+    for warps in (1, 2, 4, 8):
+        d, n = compare(warps)
+        route = lambda warps=warps: route_and_lookup(x, w, table, routing, missed, counter, num_warps=warps)  # noqa: E731
+        us = timed(in_graph(route))
+        sweep[f"{warps}w"] = {"us": us, "tokens_differing": d, "of_which_near_ties": n}
     return {
         "ok": differ == near_ties and int(counter) == 0 and one_us < three_us,
         "one_kernel_us": one_us,
         "compiled_three_kernels_us": three_us,
         "tokens_differing": differ,
         "of_which_near_ties": near_ties,
+        "shipped_warps": ROUTE_WARPS,
+        "warps_sweep": sweep,
     }
 
 

@@ -73,7 +73,7 @@ compiled)
     timeout $(( $(left) - 330 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== decode checks with compiled layers (equivalence under the near-tie rule, host syncs), one MoE layer"
     LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
-    timeout 150 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
+    timeout 180 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
         | grep "^\[" | tail -20
     echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
     # the qkv-gemv row: qkv on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster, as

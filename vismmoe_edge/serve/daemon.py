@@ -40,7 +40,7 @@ from vismmoe_edge.serve.protocol import (
 )
 from vismmoe_edge.serve.servers import TCPServer, UnixServer, make_server
 from vismmoe_edge.serve.videos import VideoReader, check_request_media
-from vismmoe_edge.serve.warmup import on_worker_threads, warm_decoder, warm_suffix_graphs
+from vismmoe_edge.serve.warmup import warm_decoder, warm_suffix_graphs
 from vismmoe_edge.serve.worker import Job, Worker, use_mmap_for_large_allocations
 
 if TYPE_CHECKING:
@@ -122,10 +122,10 @@ class Service:
         self.worker = Worker(self.engine, self.limits, self.metrics, threads=threads)
         sdnotify.status("compiling the decoder")
         longest = self.limits.max_prompt_tokens + self.limits.max_tokens
-        # compiled with the worker's thread count, which torch.compile's guards check
-        if (seconds := on_worker_threads(threads, warm_decoder, self.engine, longest)) is not None:
+        # compiled on the thread that will serve, with its thread state, which torch.compile's guards check
+        if (seconds := self.worker.call(warm_decoder, self.engine, longest)) is not None:
             log.info("decoder ready for %d positions in %.1f s (serve/warmup.py)", longest, seconds)
-        if (seconds := on_worker_threads(threads, warm_suffix_graphs, self.engine)) is not None:
+        if (seconds := self.worker.call(warm_suffix_graphs, self.engine)) is not None:
             log.info("the question after a cached frame compiled in %.1f s (serve/warmup.py)", seconds)
         self.estimate_tokens = visual_token_estimator(self.engine.processor)
         self.video_processor = video_processor_for(self.engine.processor, self.limits.video_max_pixels)
@@ -140,7 +140,8 @@ class Service:
             self.limits.max_prompt_tokens,
             self.max_token_bytes,
         )
-        self.worker.thread.start()
+        if not self.worker.thread.is_alive():  # (the warm-up started it, where it ran)
+            self.worker.thread.start()
         self.state = "ok"
 
     def load_options(self) -> LoadOptions:

@@ -6,47 +6,20 @@ daemon log (docs/benchmarks.md) shows a first 8-token reply at 0.8 tok/s, ~10 s 
 reuses it (Engine.start_decode). So two tokens of a short prompt, decoded with room for the daemon's longest
 request (`--max-prompt-tokens` + `--max-tokens`), make every later request find its decoder compiled and captured;
 the plan counts that KV already (the context it plans for). Nothing is kept in the prefix cache and the pipeline's
-statistics are reset after.
+statistics are reset after. The daemon runs both on the worker's thread (`Worker.call`): torch.compile guards the
+calling thread's state (its CPU thread count among it), and a warm-up on another thread left the first request
+to compile again (run 15).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 log = logging.getLogger("vismmoe_edge.serve")
 
 WARMUP_PROMPT = "Hello."
-
-
-def on_worker_threads(threads: int, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a thread of its own with torch's CPU thread count set to the worker's. torch.compile guards
-    the calling thread's count (dynamo's GLOBAL_STATE guard): compiled on the loading thread, which runs on one
-    (daemon.py), every compiled function recompiled on the worker's first request (run 15: the question after a
-    cached frame, 2.0 s instead of 0.03). A short-lived thread, so that the loading thread keeps no OpenMP team."""
-    import torch
-
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        torch.set_num_threads(threads)
-        try:
-            result.append(fn(*args))
-        except BaseException as e:  # re-raised on the calling thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="vismmoe-warmup")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def warm_decoder(engine: Any, positions: int) -> float | None:

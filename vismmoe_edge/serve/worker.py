@@ -118,6 +118,27 @@ class Job:
         return self._state == "abandoned"
 
 
+class Call:
+    """A function for the worker's thread to run before it serves: the daemon's warm-up, compiled on the thread
+    that will run the requests, with their thread state (torch.compile guards the calling thread's CPU thread
+    count: run 15's warm-up on the loading thread, which runs on one, left the first request after a cached frame
+    to compile again, 2.0 s)."""
+
+    def __init__(self, fn: Any, args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # re-raised on the caller's thread
+            self.error = e
+        finally:
+            self.done.set()
+
+
 class Heartbeat:
     """Watchdog pings, sent only by the worker as it makes progress: a stuck generation stops them."""
 
@@ -156,7 +177,7 @@ class Worker:
         self.limits = limits
         self.metrics = metrics
         self.grammars: JsonGrammars | None = grammars  # built on the first response_format request
-        self.jobs: queue.Queue[Job] = queue.Queue()  # bounded by `admission`
+        self.jobs: queue.Queue[Job | Call] = queue.Queue()  # jobs bounded by `admission`; calls before serving
         self.admission = Admission(limits.max_queue)
         self.heartbeat = Heartbeat(sdnotify.watchdog_interval())
         if self.heartbeat.interval_s is not None:
@@ -188,6 +209,17 @@ class Worker:
             self.jobs.put_nowait(job)
             self.pending += 1
         self.update_status()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the worker's thread (started here if it is not yet), waited for; before serving only."""
+        if not self.thread.is_alive():
+            self.thread.start()
+        call = Call(fn, args)
+        self.jobs.put(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     def idle(self) -> bool:
         return self.pending == 0
@@ -222,6 +254,9 @@ class Worker:
                 if untrimmed:  # idle: give freed pages back now, where no request waits for it
                     release_freed_memory()
                     trimmed, untrimmed = time.monotonic(), False
+                continue
+            if isinstance(job, Call):
+                job.run()
                 continue
             try:
                 self.process(job)
