@@ -106,3 +106,17 @@ def test_one_kernel_router_refuses_what_it_cannot_route() -> None:
         route_and_lookup(torch.randn(2, 16), w, *rows, torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="counter int32"):
         route_and_lookup(x, w, *rows, torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+def test_triton_router_picks_among_underflowed_probabilities_by_the_lowest_expert() -> None:
+    """Probabilities that underflow to 0 (logits far below the largest) tie at +0.0: the picks after the real ones
+    go to the lowest ids (torch.topk orders such ties as it likes), with the reference's weights (float32: the
+    softmax's own rounding, as in the test above)."""
+    logits = torch.full((1, 32), -200.0)
+    logits[0, [5, 20]] = torch.tensor([10.0, 9.0])
+    logits[0, 30] = -150.0  # exp(-160) in float32: 0 too
+    index, weights = route_topk(logits, 6)
+    ref_index, ref_weights = route_topk_reference(logits, 6)
+    assert index.tolist() == [[5, 20, 0, 1, 2, 3]] and ref_index[0, :2].tolist() == [5, 20]
+    assert torch.allclose(weights, ref_weights, rtol=1e-5) and not weights[0, 2:].any()

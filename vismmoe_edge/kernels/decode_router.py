@@ -3,8 +3,9 @@
 transformers' Qwen3VLMoeTextTopKRouter takes softmax in float32, `torch.topk`, then divides the k weights by
 their sum. On CUDA `torch.topk` of 8 out of 128 is two kernels (a radix select and a bitonic sort of the k), which
 cost 8.5 us a layer on an H200 in the compiled decode token's profile: more than the router's GEMV, for 512 bytes
-of logits. Here one program holds the logits in registers and picks the k largest by repeated argmax (the
-largest first, as `torch.topk` sorts them; among equal weights the lowest expert id first).
+of logits. Here one program holds the logits in registers and picks the k largest by repeated maximum, one
+reduction a pick over keys that order by weight and then by the lower expert id (the largest first, as
+`torch.topk` sorts them; among equal weights the lowest expert id first: triton_decode.routed).
 
 `route_topk` (its kernel in triton_decode.py) is a `torch.library.triton_op`, so torch.compile traces through it
 and the compiled router of kernels/decode_layer.py calls it inside the token's graph. The CPU never takes it:
@@ -66,8 +67,9 @@ def route_and_lookup_reference(
 
 
 # Warps a program: Triton's default. Run 15's profile (an H100) put the kernel at 6.8 us a layer for 0.5 MB of
-# weight; its last program's softmax and 8 picks are 16 block-wide reductions, each a shared-memory round trip
-# across warps at 4, shuffles alone at 1: decode_checks.py times 1, 2, 4 and 8 for the next GPU run to choose.
+# weight; its last program's softmax and 8 picks were 18 block-wide reductions (10 since: one a pick), each a
+# shared-memory round trip across warps at 4, shuffles alone at 1: decode_checks.py times 1, 2, 4 and 8 for the
+# next GPU run to choose.
 ROUTE_WARPS = 4
 
 

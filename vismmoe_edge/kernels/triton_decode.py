@@ -70,21 +70,31 @@ def _combine_kernel(m_in, s_in, acc_in, out, splits, SPLITS_P2: tl.constexpr, D:
 @triton.jit
 def routed(z, valid, K: tl.constexpr, K_P2: tl.constexpr):
     """Logits z [BLOCK] (float32; -inf where not `valid`) -> (index [K_P2] int64, weights [K_P2] float32, the first
-    K real): transformers' router after its GEMV. The float32 softmax, then the K largest by repeated argmax (the
-    largest first, as torch.topk sorts them; among equal weights the lowest expert id), renormalised."""
-    offs = tl.arange(0, z.shape[0])
+    K real): transformers' router after its GEMV. The float32 softmax, then the K largest by repeated maximum (the
+    largest first, as torch.topk sorts them; among equal weights the lowest expert id), renormalised.
+
+    Each pick is one reduction, not a max and an argmax: a probability is >= 0, so its float32 bits order as its
+    value, and a key of (bits << 32) | (BLOCK - 1 - expert) orders by value and then by the lower expert id; the
+    largest key gives both, its weight's bits exactly."""
+    BLOCK: tl.constexpr = z.shape[0]
+    offs = tl.arange(0, BLOCK)
     e = tl.exp(z - tl.max(z, 0))
     p = e / tl.sum(e, 0)
     picks = tl.arange(0, K_P2)
     index = tl.zeros((K_P2,), dtype=tl.int64)
     top = tl.zeros((K_P2,), dtype=tl.float32)
-    left = tl.where(valid, p, -1.0)  # probabilities are >= 0: -1 marks what is taken or padding
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    # larger for a lower expert id; the tensor on the left (a constexpr on the left of a tensor stays a constexpr
+    # under Triton 3.6's interpreter, which has no .to)
+    lower_first = offs.to(tl.int64) * -1 + (BLOCK - 1)
+    key = tl.where(valid, (bits << 32) | lower_first, -1)  # -1: taken, or padding
     for j in tl.static_range(K):
-        best = tl.max(left, 0)
-        at = tl.argmax(left, 0)  # the lowest index among equal maxima
-        index = tl.where(picks == j, at.to(tl.int64), index)
-        top = tl.where(picks == j, best, top)
-        left = tl.where(offs == at, -1.0, left)
+        best = tl.max(key, 0)
+        at = (best & 0xFFFFFFFF) * -1 + (BLOCK - 1)
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        index = tl.where(picks == j, at, index)
+        top = tl.where(picks == j, weight, top)
+        key = tl.where(offs == at, -1, key)
     return index, top / tl.sum(top, 0)  # picks past K hold 0
 
 
