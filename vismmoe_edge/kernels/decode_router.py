@@ -67,8 +67,8 @@ def route_and_lookup_reference(
 
 
 # Warps a program: Triton's default. Run 15's profile (an H100) put the kernel at 6.8 us a layer for 0.5 MB of
-# weight; its last program's softmax and 8 picks were 18 block-wide reductions (10 since: one a pick), each a
-# shared-memory round trip across warps at 4, shuffles alone at 1: decode_checks.py times 1, 2, 4 and 8 for the
+# weight; its last program's softmax, 8 picks and renormalisation were 19 reductions (11 since: one a pick), each
+# a shared-memory round trip across warps at 4, shuffles alone at 1: decode_checks.py times 1, 2, 4 and 8 for the
 # next GPU run to choose.
 ROUTE_WARPS = 4
 
