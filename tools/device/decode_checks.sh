@@ -80,7 +80,8 @@ compiled)
     # o_proj did in run 15)
     STRATS=device-resident-compiled,device-resident-compiled-qkv-gemv,device-resident-compiled-cublas
     STRATS=${COMPILED_STRATS:-$STRATS}
-    timeout $(( $(left) - 150 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+    # (the baseline after it needs ~60-90 s: its static cache's compile and three trials)
+    timeout $(( $(left) - 90 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --repeats "${REPEATS:-2}" --strategies "$STRATS" \
         --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
