@@ -75,7 +75,7 @@ compiled)
     LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
     timeout 180 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
         | grep "^\[" | tail -20
-    echo "== ours: every expert resident, device path eager and compiled (and, as time allows, the baseline)"
+    echo "== ours: every expert resident, device path compiled: the default, qkv on our GEMV too, all on cuBLAS"
     # the qkv-gemv row: qkv on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster, as
     # o_proj did in run 15)
     STRATS=device-resident-compiled,device-resident-compiled-qkv-gemv,device-resident-compiled-cublas
