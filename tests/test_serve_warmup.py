@@ -42,7 +42,9 @@ def test_the_warm_decoder_serves_every_later_request(checkpoints, references) ->
 
 def worker(threads: int) -> Worker:
     engine = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=64))
-    return Worker(engine, Limits(), Metrics(), threads=threads)  # type: ignore[arg-type]
+    w = Worker(engine, Limits(), Metrics(), threads=threads)  # type: ignore[arg-type]
+    w.thread.start()  # as the daemon starts it before its warm-ups
+    return w
 
 
 def compiles_after_warming(warm_on_worker: bool, threads: int) -> int:

@@ -550,8 +550,8 @@ def main() -> None:
     ap.add_argument("--strategies", help="comma-separated: all-resident, popularity, lru, graphs-off, learned, "
                     "device-resident, device-resident-compiled, "
                     "device-resident-compiled-serial (no token launched ahead), device-resident-compiled-cublas "
-                    "(no Triton GEMV), device-resident-compiled-o-gemv (router and o_proj on the Triton GEMV: the "
-                    "default since run 15), device-resident-compiled-qkv-gemv (qkv too), "
+                    "(no Triton GEMV), device-resident-compiled-o-cublas (o_proj on cuBLAS: the default before run "
+                    "15), device-resident-compiled-qkv-gemv (qkv on the Triton GEMV too), "
                     "device-popularity, device-mapped, "
                     "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
@@ -599,7 +599,7 @@ def main() -> None:
     engines: dict[str, object] = {}
     if not args.baselines_only:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial",
-                     "device-resident-compiled-cublas", "device-resident-compiled-o-gemv",
+                     "device-resident-compiled-cublas", "device-resident-compiled-o-cublas",
                      "device-resident-compiled-qkv-gemv"}:  # fmt: skip
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
@@ -630,10 +630,11 @@ def main() -> None:
                 # compiled, every projection on cuBLAS (before dense_gemv.py): what the Triton GEMV gives
                 ("all-resident", "device-resident-compiled-cublas", {"device_decode": "auto", "compiled": True,
                                                                      "gemv": ""}),  # fmt: skip
-                # o_proj on the Triton GEMV as well, with run 13's sweep's blocks (the default since run 15)
-                ("all-resident", "device-resident-compiled-o-gemv", {"device_decode": "auto", "compiled": True,
-                                                                     "gemv": "router,o"}),  # fmt: skip
-                # qkv too: does it join the default?
+                # o_proj on cuBLAS, the router alone on our kernel: the default before run 15 (against which
+                # o_proj's GEMV gave 4.4%; the row called device-resident-compiled-o-gemv then was today's default)
+                ("all-resident", "device-resident-compiled-o-cublas", {"device_decode": "auto", "compiled": True,
+                                                                       "gemv": "router"}),  # fmt: skip
+                # qkv on the Triton GEMV as well: does it join the default (as o_proj did in run 15)?
                 ("all-resident", "device-resident-compiled-qkv-gemv", {"device_decode": "auto", "compiled": True,
                                                                        "gemv": "router,o,qkv"}),  # fmt: skip
                 ("budget", "device-popularity", {"device_decode": "on"}),

@@ -310,22 +310,21 @@ def one_kernel_router() -> dict:
                 differ += 1
         return differ, near_ties
 
-    differ, near_ties = compare(ROUTE_WARPS)
-    one_us = timed(in_graph(lambda: route_and_lookup(x, w, table, routing, missed, counter)))
-    three_us = timed(in_graph(lambda: compiled(x, w, table, routing, missed)))
-    # warps a program (decode_router.ROUTE_WARPS): time and tokens of each, for the next default
+    # warps a program: time and tokens of each, for the next default (decode_router.ROUTE_WARPS, one of them)
     sweep = {}
     for warps in (1, 2, 4, 8):
-        d, n = compare(warps)
+        differ, near_ties = compare(warps)
         route = lambda warps=warps: route_and_lookup(x, w, table, routing, missed, counter, num_warps=warps)  # noqa: E731
-        us = timed(in_graph(route))
-        sweep[f"{warps}w"] = {"us": us, "tokens_differing": d, "of_which_near_ties": n}
+        sweep[f"{warps}w"] = {"us": timed(in_graph(route)), "tokens_differing": differ, "of_which_near_ties": near_ties}
+    shipped = sweep[f"{ROUTE_WARPS}w"]
+    three_us = timed(in_graph(lambda: compiled(x, w, table, routing, missed)))
     return {
-        "ok": differ == near_ties and int(counter) == 0 and one_us < three_us,
-        "one_kernel_us": one_us,
+        "ok": shipped["tokens_differing"] == shipped["of_which_near_ties"] and int(counter) == 0
+        and shipped["us"] < three_us,
+        "one_kernel_us": shipped["us"],
         "compiled_three_kernels_us": three_us,
-        "tokens_differing": differ,
-        "of_which_near_ties": near_ties,
+        "tokens_differing": shipped["tokens_differing"],
+        "of_which_near_ties": shipped["of_which_near_ties"],
         "shipped_warps": ROUTE_WARPS,
         "warps_sweep": sweep,
     }

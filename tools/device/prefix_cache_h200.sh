@@ -23,10 +23,7 @@ timeout 260 python3 tools/device/prefix_cache_checks.py --out "$OUT/prefix_cache
     --model /tmp/bench/qwen3vl-30b-a3b-48layer --image /tmp/bench/image-1056.png --image /tmp/bench/frame-0.png \
     --warm 2>&1 | grep "^\["
 echo "== one frame, many questions against the daemon"
-python3 tools/bench/prefix_cache.py --model /tmp/bench/qwen3vl-30b-a3b-48layer --device cuda \
-    --image /tmp/bench/image-1056.png --runs "$RUNS" --serve-arg=--memory-budget --serve-arg=100% \
-    --serve-arg=--host-tier --serve-arg=off --log "$OUT/daemon.log" --json "$OUT/prefix_cache_h200.json" 2>&1 \
-    | tee "$OUT/prefix_cache.log"
+OUT="$OUT" RUNS="$RUNS" bash "$(dirname "$0")/prefix_daemon_check.sh"
 echo "== where the second question's time goes, in process: the first follow-up after the daemon's warm-up (what"
 echo "   it compiles), host steps, then the suffix graph's kernels"
 timeout 200 python3 tools/device/prefix_profile.py --model /tmp/bench/qwen3vl-30b-a3b-48layer --warm \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU server (device tool): the daemon half of prefix_cache_h200.sh alone, for a short call: builds the
-# 48-layer checkpoint unless a warm machine kept it, then tools/bench/prefix_cache.py against a real daemon with
-# every weight resident, recompiles logged (TORCH_LOGS=recompiles): after READY the log must show none.
+# On the GPU server (device tool): the daemon half of prefix_cache_h200.sh (which runs it), alone for a short
+# call: builds the 48-layer checkpoint unless a warm machine kept it, then tools/bench/prefix_cache.py against a
+# real daemon with every weight resident, recompiles logged (TORCH_LOGS=recompiles): after READY the log must
+# show none. Writes prefix_cache.json, prefix_cache.log and daemon.log under $OUT.
 #   RUNS=5 bash tools/device/prefix_daemon_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -120,6 +120,7 @@ class Service:
         self.engine = load_resolved(checkpoint, self.load_options(), resolved)
         self.model_id = o.model_id or self.engine.model_dir.name
         self.worker = Worker(self.engine, self.limits, self.metrics, threads=threads)
+        self.worker.thread.start()  # no job comes before READY; the warm-ups below run on it
         sdnotify.status("compiling the decoder")
         longest = self.limits.max_prompt_tokens + self.limits.max_tokens
         # compiled on the thread that will serve, with its thread state, which torch.compile's guards check
@@ -140,8 +141,6 @@ class Service:
             self.limits.max_prompt_tokens,
             self.max_token_bytes,
         )
-        if not self.worker.thread.is_alive():  # (the warm-up started it, where it ran)
-            self.worker.thread.start()
         self.state = "ok"
 
     def load_options(self) -> LoadOptions:

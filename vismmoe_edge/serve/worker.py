@@ -211,9 +211,7 @@ class Worker:
         self.update_status()
 
     def call(self, fn: Any, *args: Any) -> Any:
-        """fn(*args) on the worker's thread (started here if it is not yet), waited for; before serving only."""
-        if not self.thread.is_alive():
-            self.thread.start()
+        """fn(*args) on the worker's (started) thread, waited for; before serving only."""
         call = Call(fn, args)
         self.jobs.put(call)
         call.done.wait()
