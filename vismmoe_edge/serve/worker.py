@@ -242,6 +242,9 @@ class Worker:
             import torch
 
             torch.set_num_threads(self.threads)  # OpenMP's thread count is each thread's own
+            # ATen gives a thread its process-wide count at its first use of it: take it now, so that a later
+            # set_num_threads on another thread (the loading thread's one) cannot become this thread's count
+            torch.get_num_threads()
         trimmed = time.monotonic()  # when freed heap pages last went back to the kernel
         untrimmed = False  # a job has finished since
         while not self.stop.is_set():
