@@ -59,7 +59,7 @@ def test_dense_gemv_refuses_what_it_cannot_compute() -> None:
 
 def test_gemv_projections_parse_and_refuse_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VISMMOE_DECODE_GEMV", raising=False)
-    assert gemv_projections() == {"router", "o"}
+    assert gemv_projections() == {"router", "o", "qkv"}
     assert gemv_projections("") == frozenset()
     assert gemv_projections(" qkv, o ,router") == {"qkv", "o", "router"}
     monkeypatch.setenv("VISMMOE_DECODE_GEMV", "o")

@@ -146,18 +146,23 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
 
 @interpreter
 @pytest.mark.parametrize(
-    ("block_n", "block_k", "acc2d"),
-    [(4, 2048, False), (8, 2048, False), (4, 1024, False), (8, 512, False), (32, 128, True), (16, 128, True),
-     (8, 256, True)],
+    ("block_n", "block_k", "acc2d", "prefetch"),
+    [(4, 2048, False, False), (8, 2048, False, False), (4, 1024, False, False), (8, 512, False, False),
+     (32, 128, True, False), (16, 128, True, False), (8, 256, True, False), (32, 128, False, True),
+     (16, 256, False, True), (8, 64, False, True)],
 )  # fmt: skip
-def test_the_added_autotune_configs_compute_the_same(monkeypatch, block_n: int, block_k: int, acc2d: bool) -> None:  # type: ignore[no-untyped-def]
+def test_the_added_autotune_configs_compute_the_same(  # type: ignore[no-untyped-def]
+    monkeypatch, block_n: int, block_k: int, acc2d: bool, prefetch: bool
+) -> None:
     """The autotuner's added configs, forced in the interpreter, where the CPU tests otherwise run one fixed block:
     few rows with long blocks (one load a row at 30B-A3B shapes; blocks longer than a row, so masked columns and
-    groups), and ACC2D (products kept per column, one reduction after the loop; int4: blocks of one group, and of
-    two, where it falls back to the per-block reduction), for the int4 and the bf16 GEMVs."""
+    groups), ACC2D (products kept per column, one reduction after the loop; int4: blocks of one group, and of
+    two, where it falls back to the per-block reduction) and PREFETCH (the next block's weights loaded before this
+    block is computed: several blocks a row, the last prefetch wholly masked; int4: blocks of one group, of two,
+    and of half of one), for the int4 and the bf16 GEMVs."""
     from vismmoe_edge.kernels import moe_int4
 
-    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ACC2D": acc2d}
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ACC2D": acc2d, "PREFETCH": prefetch}
     monkeypatch.setattr(moe_int4, "blocks", lambda kk: config)
     monkeypatch.setattr(md, "blocks", lambda kk: config)
     spec, records, dense = make_records(768, 128, 128)  # down's K (128, one group) far shorter than a block

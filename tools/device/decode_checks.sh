@@ -20,15 +20,18 @@
 #   bash tools/device/decode_checks.sh unified    unified-slots forced alone, 24 layers, the checkpoint in /dev/shm:
 #                                                 against its bus bound (the expert bytes its kernels read from
 #                                                 host memory a token / pinned rate), without and with prefetch
+#   bash tools/device/decode_checks.sh sweep      kernel_sweep.py: every autotune config of the expert GEMVs (bf16,
+#                                                 int8, int4) alone at 30B-A3B shapes, L2 evicted, and the address
+#                                                 GEMV over pinned host memory against the pinned copy rate
 #   bash tools/device/decode_checks.sh compiled   the device token with compiled layers (decode_layer.py): its
 #                                                 equivalence checks and host syncs, the one-MoE-layer and
-#                                                 attention timings, then discrete.py resident: compiled (router
-#                                                 and o_proj on our GEMV, the default), with qkv on it too, and
-#                                                 every projection on cuBLAS, against transformers' static cache,
+#                                                 attention timings, then discrete.py resident: compiled (router,
+#                                                 o_proj and qkv on our GEMV, the default), with qkv on cuBLAS,
+#                                                 and every projection on cuBLAS, against transformers' static cache,
 #                                                 with profiles
 # A step that fails or runs out of time does not stop the next; each writes its log under $OUT.
 set -uo pipefail
-MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled|unified}
+MODE=${1:?usage: decode_checks.sh checks|suite|sanitizer|racecheck|bench|baselines|bench-int4|compiled|unified|sweep}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -75,10 +78,9 @@ compiled)
     LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
     timeout 180 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
         | grep "^\[" | tail -20
-    echo "== ours: every expert resident, device path compiled: the default, qkv on our GEMV too, all on cuBLAS"
-    # the qkv-gemv row: qkv on the Triton GEMV as well (joins VISMMOE_DECODE_GEMV's default if it is faster, as
-    # o_proj did in run 15)
-    STRATS=device-resident-compiled,device-resident-compiled-qkv-gemv,device-resident-compiled-cublas
+    echo "== ours: every expert resident, device path compiled: the default, qkv on cuBLAS, all on cuBLAS"
+    # the qkv-cublas row: the default before run 16 (qkv's GEMV joined it then, 0.5% faster in both trials)
+    STRATS=device-resident-compiled,device-resident-compiled-qkv-cublas,device-resident-compiled-cublas
     STRATS=${COMPILED_STRATS:-$STRATS}
     # (the baseline after it needs ~60-90 s: its static cache's compile and three trials)
     timeout $(( $(left) - 90 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
@@ -89,6 +91,9 @@ compiled)
     timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --baselines-only --strategies hf-static,hf-static-no-cudnn --json "$OUT/discrete-compiled-baseline.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -8
+    ;;
+sweep)
+    timeout $(( $(left) - 5 )) python3 tools/device/kernel_sweep.py --out "$OUT/kernel_sweep.json" 2>&1 | tail -30
     ;;
 sanitizer|racecheck)
     echo "== compute-sanitizer on one case (the crash's: previous-token predictor, graphs, bf16)"
@@ -117,7 +122,7 @@ bench|bench-int4)
     timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     if [ "$MODE" = bench ]; then
         # (unified-slots has a call of its own, `unified`: here it measured the lease's disk, run 6)
-        STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-promotion-8,budget-default,popularity,hf-static-no-cudnn}
+        STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-promotion-8,budget-default,popularity}
         OUTDIR=/tmp/bench
     else
         echo "== int4 g128 of the same checkpoint"
@@ -137,17 +142,24 @@ bench|bench-int4)
         # fit); the same-call bf16 rows follow
         STRATS=${INT4_STRATS:-device-resident,budget-default}
     fi
-    BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-170}
-    timeout $(( $(left) - 10 - BF16_RESERVE )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" --layers 48 \
-        --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay "${REPLAY[@]}" \
-        --skip-accelerate --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
+    # transformers' static cache runs in a call of its own after the rows: a process that has held an engine
+    # keeps most of its GPU memory (runs 13 and 16: the baseline's 57 GB found 20 GB free on an 80 GB H100)
+    BASE_RESERVE=${BASE_RESERVE_S:-90}
+    BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-120}
+    timeout $(( $(left) - 10 - BF16_RESERVE - BASE_RESERVE )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
+        --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay \
+        "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -40
     if [ "$MODE" = bench-int4 ]; then
-        echo "== same call: bf16 every expert resident (device path, compiled) and transformers' static cache"
-        timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
-            --repeats 2 --strategies device-resident,hf-static-no-cudnn --routings sampled --skip-accelerate \
+        echo "== same call: bf16 every expert resident (device path, compiled)"
+        timeout $(( $(left) - 5 - BASE_RESERVE )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 \
+            --new-tokens 16 --repeats 2 --strategies device-resident --routings sampled --skip-baselines \
             --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
     fi
+    echo "== same call: transformers' static cache (cuDNN SDPA off: its faster mode on these GPUs)"
+    timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+        --baselines-only --strategies hf-static-no-cudnn --json "$OUT/discrete-$MODE-baseline.json" 2>&1 \
+        | grep -v "^ *[\"{}\[]" | tail -8
     ;;
 unified)
     # `unified-slots` forced, alone, against its bus bound: its slots are in pinned host memory, filled from the
@@ -169,6 +181,6 @@ unified)
         --skip-baselines --compile-device-rows --json "$OUT/discrete-unified.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
     ;;
 *)
-    echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4, compiled or unified"; exit 2 ;;
+    echo "unknown mode $MODE: checks, suite, sanitizer, racecheck, bench, baselines, bench-int4, compiled, unified or sweep"; exit 2 ;;
 esac
 echo "decode_checks.sh $MODE took $(( $(date +%s) - T0 )) s"

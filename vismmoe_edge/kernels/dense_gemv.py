@@ -16,13 +16,15 @@ programs by itself (o_proj 1,024 programs of 2 rows x 1,024 columns, the router 
 the earlier 8 x 512 8.9 us and cuBLAS 13.6 us.
 
 `dense_gemv` is a `torch.library.triton_op`; eager code (the CPU) keeps F.linear. `VISMMOE_DECODE_GEMV` chooses
-which projections of the compiled token take a Triton kernel ("router,o" by default, "" none, "qkv" too:
+which projections of the compiled token take a Triton kernel ("router,o,qkv" by default, "" none:
 `gemv_projections`): "o" and "qkv" this GEMV; "router" the router of kernels/decode_router.py `route_and_lookup`,
 GEMV, top-k and table lookup in one kernel, whose GEMV is this one's loop (it shares `blocks`). o_proj joined
 the default in run 15: with the 2 x 1,024 blocks the resident 48-layer token ran at 257.8 tok/s on an H100
 against 246.9 with o_proj on cuBLAS (both trials of each within 0.1%); with run 12's 8 x 512 blocks it had been
-slower (15.2 us a layer inside the token against cuBLAS's 10.1). qkv stays on cuBLAS until a token says otherwise
-(alone in a graph: 8.8 against cuBLAS's 7.6 us in run 13, 10.4 against 11.2 in run 15).
+slower (15.2 us a layer inside the token against cuBLAS's 10.1). qkv joined in run 16 (an H100): 257.6 tok/s
+(257.46, 257.77) against 256.4 (256.08, 256.64) with qkv on cuBLAS, a small gain but in every trial, and alone in
+a graph 7.1 against cuBLAS's 7.7 us, its rows 0.12 rounding steps from float64 against cuBLAS's 0.75 (run 13 had
+8.8 against 7.6 us alone; run 15 10.4 against 11.2).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.kernels.moe_decode import triton_op
 
 PROJECTIONS = ("qkv", "o", "router")
-DEFAULT_PROJECTIONS = "router,o"  # o_proj: 4.4% faster tokens than cuBLAS in run 15 (above)
+DEFAULT_PROJECTIONS = "router,o,qkv"  # o_proj: 4.4% faster tokens than cuBLAS in run 15; qkv: 0.5% in run 16
 TILE = 2048  # elements of W a program holds per step: 16 per thread at 4 warps
 # programs aimed at (an H200 has 132 SMs; more programs of fewer rows ran faster in run 13):
 # rows per program = N / this, a power of two, <= 16

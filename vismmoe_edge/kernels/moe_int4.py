@@ -61,6 +61,10 @@ def blocks(kk: int) -> dict[str, int]:
     return {"BLOCK_N": 32, "BLOCK_K": 256 if kk >= 256 else max(2, triton.next_power_of_2(kk))}
 
 
+# (BLOCK_N, BLOCK_K, warps) of the autotuner's PREFETCH configs: the shapes of the others that read a row in
+# several blocks (a config of one block a row has nothing to prefetch)
+PREFETCH_CONFIGS = ((16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (32, 128, 4), (64, 128, 4))
+
 _compiled: Any = None
 centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
 
@@ -92,6 +96,8 @@ def _kernel():  # type: ignore[no-untyped-def]
         # one group a block (g128), its products kept per column and reduced once at the end (ACC2D)
         configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ACC2D": True}, num_warps=w)
                     for n, k, w in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8))]  # fmt: skip
+        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": True}, num_warps=w)
+                    for n, k, w in PREFETCH_CONFIGS]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
 
     # fmt: off
@@ -99,8 +105,10 @@ def _kernel():  # type: ignore[no-untyped-def]
     @triton.jit
     def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
                           SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         # fmt: on
+        # PREFETCH: the next block's codes are loaded before this block is computed, so a program has two blocks
+        # of HBM reads in flight instead of one (Triton pipelines only the loads that feed a tl.dot)
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
         e = tl.program_id(0)
@@ -113,9 +121,19 @@ def _kernel():  # type: ignore[no-untyped-def]
         kb = K // 2
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)  # ACC2D: per column, reduced once after the loop
+        row_ptrs = codes + rows[:, None].to(tl.int64) * kb
+        if PREFETCH:
+            first = tl.arange(0, HALF)
+            upcoming = tl.load(row_ptrs + first[None, :], mask=row_ok[:, None] & (first < kb)[None, :], other=0)
         for start in range(0, kb, HALF):
             jb = start + tl.arange(0, HALF)
             ok = jb < kb
+            if PREFETCH:  # this block's codes arrived during the last block; the next block's are asked for now
+                byte = upcoming
+                after = jb + HALF
+                upcoming = tl.load(row_ptrs + after[None, :], mask=row_ok[:, None] & (after < kb)[None, :], other=0)
+            else:
+                byte = tl.load(row_ptrs + jb[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
             # the step's 2 * HALF inputs in one contiguous load, then split: the byte's low nibble meets the even
             # ones, the high nibble the odd ones (two loads at a stride of two elements each before)
             cols = 2 * start + tl.arange(0, 2 * HALF)
@@ -131,8 +149,6 @@ def _kernel():  # type: ignore[no-untyped-def]
             else:  # (stride_v 0: one input for every expert)
                 act = tl.load(v + e * stride_v + cols, mask=col_ok, other=0.0).to(tl.float32)
             a0, a1 = tl.split(tl.reshape(act, (HALF, 2)))
-            ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
-            byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
             lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_codes.py)
             hi = centered(byte >> 4)
             part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs

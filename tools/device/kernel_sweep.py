@@ -1,0 +1,232 @@
+"""On the GPU server (device tool): the expert GEMVs config by config, for choosing kernels from data.
+
+1. Every autotune config of the slot GEMVs (bf16 and int8: moe_decode._gemv_kernel; int4: moe_int4's) at 30B-A3B
+   shapes (8 experts of a 64-slot pool; gate_up N=1536 K=2048, down N=2048 K=768 with the SiLU input), each
+   call timed alone with L2 evicted first (as inside a token, where 48 layers' weights pass through a 50 MB L2),
+   its output checked against the autotuner's own pick. Run 16 (docs/benchmarks.md) found int4's GEMVs at ~3x
+   their byte bound inside a token while bf16's ran at ~1.07x with the same tiling: a quarter of the bytes in
+   flight a program. The PREFETCH configs keep a second block of loads in flight; this says whether they win.
+2. The address GEMV (moe_decode.gemv_at) over pinned host memory, 8 bf16 experts read in place, at blocks x warps
+   x PREFETCH, against the pinned copy rate; and a plain streaming read of the same buffer (the most a kernel's
+   loads draw over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
+
+    python3 tools/device/kernel_sweep.py --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quant_checks import cuda_median_us  # noqa: E402
+
+HIDDEN, INTER, TOP_K, SLOTS = 2048, 768, 8, 64
+
+
+def hbm_rate() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (each byte read and written)."""
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    return 2 * buf.numel() / (cuda_median_us(lambda: dst.copy_(buf), 5) * 1e-6)
+
+
+def pinned_rate() -> float:
+    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(big, device="cuda")
+    return big.numel() / (cuda_median_us(lambda: dev.copy_(big, non_blocking=True), 5) * 1e-6)
+
+
+def cold_us(fn: Callable[[], object], flush: torch.Tensor, reps: int = 30) -> float:
+    return cuda_median_us(fn, reps, before=flush.zero_)
+
+
+def slot_matrices(kind: str) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate_up and down SlotMatrix of a 64-slot pool of `kind`, x, slot ids [8], routing weights [8])."""
+    from vismmoe_edge.kernels.slot_matrix import SlotMatrix, record_matrix
+    from vismmoe_edge.quant.config import make_config
+    from vismmoe_edge.quant.packing import ROWMAJOR
+    from vismmoe_edge.quant.record import ExpertSpec, encode_expert
+    from vismmoe_edge.quant.slot_form import SlotForm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(SLOTS, 2 * INTER, HIDDEN, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    down = torch.randn(SLOTS, HIDDEN, INTER, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    x = torch.randn(1, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    slot_ids = torch.randperm(SLOTS, device="cuda", generator=g)[:TOP_K]
+    mix = torch.softmax(torch.randn(TOP_K, device="cuda", generator=g), -1).to(torch.bfloat16)
+    if kind == "bf16":
+        return [SlotMatrix.of_pool(gate_up), SlotMatrix.of_pool(down)], x, slot_ids, mix
+    spec = ExpertSpec(make_config(8 if kind == "int8" else 4, None if kind == "int8" else 128, ROWMAJOR), HIDDEN,
+                      INTER)  # fmt: skip
+    rows = []
+    for s in range(SLOTS):
+        parts = encode_expert(spec, gate_up[s].float(), down[s].float())
+        rows.append(torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]))
+    records = torch.stack(rows)
+    form = SlotForm.for_device(spec, records.device, triton=kind == "int4")
+    return [record_matrix(records, form, m) for m in ("gate_up_proj", "down_proj")], x, slot_ids, mix
+
+
+def matrix_bytes(w: object, kind: str) -> int:
+    n, k = w.n, w.k  # type: ignore[attr-defined]
+    return {"bf16": n * k * 2, "int8": n * k + n * 2, "int4": n * k // 2 + (k // 128) * n * 4}[kind]
+
+
+def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
+    """Each autotune config of `kind`'s GEMV on gate_up and on down: cold microseconds, sorted."""
+    from vismmoe_edge.kernels import moe_decode as md
+    from vismmoe_edge.kernels import moe_int4
+
+    (gate_up, down), x, slot_ids, mix = slot_matrices(kind)
+    tuned = moe_int4._kernel() if kind == "int4" else md._kernels()[0]
+    h = md.gemv(gate_up, slot_ids, x.view(1, -1).expand(TOP_K, -1), mix)  # the autotuner's pick: the reference
+    result: dict = {}
+    for name, w, v, silu in (("gate_up", gate_up, x.view(1, -1).expand(TOP_K, -1), False), ("down", down, h, True)):
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        want = md.gemv(w, slot_ids, v, mix, silu_of=torch.bfloat16 if silu else None)
+        picked = tuned.best_config
+        out = torch.empty(TOP_K, w.n, dtype=torch.float32, device="cuda")
+        common = dict(SILU=silu, ROUND=1 if silu else 0)
+        if kind == "int4":
+            args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off)
+            common["GROUP"] = w.group
+        else:
+            args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.stride_row, w.q_off,
+                    w.s_off)  # fmt: skip
+            common["INT8"] = w.int8
+        bound = TOP_K * matrix_bytes(w, kind) / hbm * 1e6
+        rows = []
+        for cfg in tuned.configs:
+            label = "/".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f"/w{cfg.num_warps}"
+            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]))
+
+            def launch(cfg=cfg, grid=grid, args=args, common=common) -> None:  # type: ignore[no-untyped-def]
+                tuned.fn[grid](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+            try:
+                launch()
+                ok = bool(torch.allclose(out, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())))
+                rows.append({"config": label, "us": cold_us(launch, flush), "equal_to_pick": ok})
+            except Exception as e:  # noqa: BLE001 - a config that does not compile here: recorded, the rest run
+                rows.append({"config": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+        timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        best_plain = next((r for r in timed if "PREFETCH=True" not in r["config"]), None)
+        best_prefetch = next((r for r in timed if "PREFETCH=True" in r["config"]), None)
+        result[name] = {
+            "byte_bound_us": bound,
+            "autotuner_pick": str(picked),
+            "fastest": timed[:6],
+            "best_without_prefetch": best_plain,
+            "best_with_prefetch": best_prefetch,
+            "errors": [r for r in rows if "error" in r],
+            "all_equal": all(r.get("equal_to_pick", True) for r in rows),
+        }
+        print(kind, name, f"bound {bound:.1f} us;", "fastest", timed[:3], flush=True)
+    return result
+
+
+def mapped_sweep(pinned: float, flush: torch.Tensor) -> dict:
+    """gemv_at over 8 bf16 experts in pinned host memory at blocks x warps x PREFETCH, and a streaming read."""
+    from vismmoe_edge.kernels import moe_decode as md
+
+    gu_numel, dn_numel = 2 * INTER * HIDDEN, HIDDEN * INTER
+    host = torch.randn(TOP_K, gu_numel + dn_numel, dtype=torch.bfloat16).mul_(0.02).pin_memory()
+    gu_addrs = torch.tensor([host[j].data_ptr() for j in range(TOP_K)], dtype=torch.int64, device="cuda")
+    dn_addrs = gu_addrs + gu_numel * 2
+    x = torch.randn(TOP_K, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    hv = torch.randn(TOP_K, INTER, dtype=torch.bfloat16, device="cuda")
+    want_gu = torch.stack([host[j, :gu_numel].view(2 * INTER, HIDDEN).cuda().float() @ x[j].float()
+                           for j in range(TOP_K)])  # fmt: skip
+    rows = []
+    for bn in (8, 16, 32, 64):
+        for bk in (128, 256, 512):
+            for warps in (4, 8):
+                for prefetch in (False, True):
+                    kw = dict(block_n=bn, block_k=bk, num_warps=warps, prefetch=prefetch)
+
+                    def layer(kw=kw) -> None:  # type: ignore[no-untyped-def]
+                        md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
+                        md.gemv_at(dn_addrs, hv, HIDDEN, torch.bfloat16, **kw)
+
+                    try:
+                        got = md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
+                        ok = bool(torch.allclose(got, want_gu, rtol=1e-3, atol=1e-3 * float(want_gu.abs().max())))
+                        us = cold_us(layer, flush, reps=10)
+                        rows.append({**kw, "us": us, "gb_s": host.nbytes / (us * 1e-6) / 1e9, "equal": ok})
+                    except Exception as e:  # noqa: BLE001
+                        rows.append({**kw, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    shipped = next((r for r in timed if (r["block_n"], r["block_k"], r["num_warps"], r["prefetch"]) ==
+                    (32, 256, 4, False)), None)  # fmt: skip
+    return {"bytes": host.nbytes, "pinned_gb_s": pinned / 1e9, "bus_bound_us": host.nbytes / pinned * 1e6,
+            "fastest": timed[:6], "shipped": shipped, "errors": [r for r in rows if "error" in r],
+            "streaming_read": streaming_read(host, flush)}  # fmt: skip
+
+
+def streaming_read(host: torch.Tensor, flush: torch.Tensor) -> dict:
+    """The most a kernel's plain loads draw from pinned host memory: each program sums a block of int32 words."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(ptr, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + tl.program_id(0), tl.sum(tl.load(ptr + offs, mask=offs < n, other=0), 0))
+
+    words = host.view(torch.int32).view(-1)
+    n = words.numel()
+    best: dict = {}
+    table = {}
+    for block in (1024, 4096, 16384):
+        for warps in (4, 8, 16):
+            out = torch.empty(-(-n // block), dtype=torch.int32, device="cuda")
+
+            def read(block=block, warps=warps, out=out) -> None:  # type: ignore[no-untyped-def]
+                _read[(-(-n // block),)](words, out, n, BLOCK=block, num_warps=warps)
+
+            try:
+                us = cold_us(read, flush, reps=10)
+            except Exception as e:  # noqa: BLE001
+                table[f"{block}/w{warps}"] = f"{type(e).__name__}"
+                continue
+            gb_s = host.nbytes / (us * 1e-6) / 1e9
+            table[f"{block}/w{warps}"] = gb_s
+            if not best or gb_s > best["gb_s"]:
+                best = {"block_words": block, "num_warps": warps, "gb_s": gb_s}
+    return {"best": best, "gb_s_by_block_and_warps": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--kinds", default="int4,int8,bf16")
+    ap.add_argument("--skip-mapped", action="store_true")
+    args = ap.parse_args(argv)
+    start = time.time()
+    hbm, pinned = hbm_rate(), pinned_rate()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    report: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+                    "hbm_gb_s": hbm / 1e9, "pinned_gb_s": pinned / 1e9}  # fmt: skip
+    for kind in args.kinds.split(","):
+        report[kind] = expert_configs(kind, hbm, flush)
+        args.out.write_text(json.dumps(report, indent=1))  # what is measured so far survives a timeout
+    if not args.skip_mapped:
+        report["mapped"] = mapped_sweep(pinned, flush)
+        print("mapped", report["mapped"]["fastest"][:3], report["mapped"]["streaming_read"]["best"], flush=True)
+    report["seconds"] = time.time() - start
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("hbm_gb_s", "pinned_gb_s", "seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
