@@ -9,8 +9,10 @@
 2. The address GEMV (moe_decode.gemv_at) over pinned host memory, 8 bf16 experts read in place, at blocks x warps
    x PREFETCH, against the pinned copy rate; and a plain streaming read of the same buffer (the most a kernel's
    loads draw over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
+3. `mix`: m of a layer's 8 experts in host memory, the rest in HBM, by rows a program; `floor`: what a GEMV's
+   grid costs before its weights.
 
-    python3 tools/device/kernel_sweep.py --out OUT.json
+    python3 tools/device/kernel_sweep.py --out OUT.json [--parts configs,mapped,mix,floor]
 """
 
 from __future__ import annotations
@@ -172,6 +174,75 @@ def mapped_sweep(pinned: float, flush: torch.Tensor) -> dict:
             "streaming_read": streaming_read(host, flush)}  # fmt: skip
 
 
+def mapped_mix(pinned: float, flush: torch.Tensor) -> dict:
+    """A layer's 8 experts with m of them read in place from pinned host memory and the others from HBM, as a
+    20 GiB token has them (run 16's one-layer check, 4 of 8 in place, drew 25 GB/s over the bus where 8 of 8 draw
+    ~50): the bus rate of the host experts' bytes by m and by rows a program (more programs, more reads in
+    flight)."""
+    from vismmoe_edge.kernels import moe_decode as md
+
+    gu_numel, dn_numel = 2 * INTER * HIDDEN, HIDDEN * INTER
+    host = torch.randn(TOP_K, gu_numel + dn_numel, dtype=torch.bfloat16).mul_(0.02).pin_memory()
+    device = host.cuda()
+    x = torch.randn(TOP_K, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    hv = torch.randn(TOP_K, INTER, dtype=torch.bfloat16, device="cuda")
+    rows: list[dict] = []
+    for m in (0, 1, 2, 4, 8):
+        base = [host[j].data_ptr() if j < m else device[j].data_ptr() for j in range(TOP_K)]
+        gu_addrs = torch.tensor(base, dtype=torch.int64, device="cuda")
+        dn_addrs = gu_addrs + gu_numel * 2
+        for bn in (4, 8, 16, 32, 64):
+            for bk in (128, 256):
+                kw = dict(block_n=bn, block_k=bk)
+
+                def layer(kw=kw, gu_addrs=gu_addrs, dn_addrs=dn_addrs) -> None:  # type: ignore[no-untyped-def]
+                    md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
+                    md.gemv_at(dn_addrs, hv, HIDDEN, torch.bfloat16, **kw)
+
+                us = cold_us(layer, flush, reps=10)
+                host_bytes = m * host[0].nbytes
+                rows.append({"host_experts": m, **kw, "us": us,
+                             "host_gb_s": host_bytes / (us * 1e-6) / 1e9 if m else None,
+                             "over_bus_bound": us / (host_bytes / pinned * 1e6) if m else None})  # fmt: skip
+    best = {}
+    for m in (1, 2, 4, 8):
+        mine = sorted((r for r in rows if r["host_experts"] == m), key=lambda r: r["us"])
+        shipped = next(r for r in mine if (r["block_n"], r["block_k"]) == (32, 256))
+        best[str(m)] = {"fastest": mine[0], "shipped": shipped}
+    return {"by_host_experts": best, "rows": rows}
+
+
+def floor_kernel(flush: torch.Tensor) -> dict:
+    """A kernel with the down GEMV's grid (8 experts x 64 programs) that reads its slot id, one byte of the slot
+    and stores zeros: what a GEMV of that grid costs before its weights (cold, as `expert_configs` times, and
+    warm in a graph, as a token's kernels run back to back)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _floor(w, slot_ids, out, stride_slot, N, BLOCK_N: tl.constexpr):
+        e = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = tl.load(slot_ids + e).to(tl.int64)
+        first = tl.load(w + slot * stride_slot).to(tl.float32)
+        tl.store(out + e * N + rows, tl.zeros((BLOCK_N,), dtype=tl.float32) + first * 0.0, mask=rows < N)
+
+    pool = torch.zeros(SLOTS, 1 << 20, dtype=torch.uint8, device="cuda")
+    slot_ids = torch.randperm(SLOTS, device="cuda")[:TOP_K]
+    out = torch.empty(TOP_K, HIDDEN, dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        _floor[(TOP_K, HIDDEN // 32)](pool, slot_ids, out, pool.stride(0), HIDDEN, BLOCK_N=32)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            run()
+    return {"cold_us": cold_us(run, flush), "in_graph_us": cuda_median_us(graph.replay, 20) / 20}
+
+
 def streaming_read(host: torch.Tensor, flush: torch.Tensor) -> dict:
     """The most a kernel's plain loads draw from pinned host memory: each program sums a block of int32 words."""
     import triton
@@ -210,16 +281,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kinds", default="int4,int8,bf16")
     ap.add_argument("--skip-mapped", action="store_true")
+    ap.add_argument("--parts", default="configs,mapped,mix,floor", help="which parts: configs (the autotune "
+                    "configs of --kinds), mapped (gemv_at over 8 host experts, streaming read), mix (m of 8 "
+                    "experts in host memory), floor (a GEMV grid's cost before its weights)")  # fmt: skip
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     start = time.time()
     hbm, pinned = hbm_rate(), pinned_rate()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     report: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
                     "hbm_gb_s": hbm / 1e9, "pinned_gb_s": pinned / 1e9}  # fmt: skip
-    for kind in args.kinds.split(","):
+    if "floor" in parts:
+        report["floor"] = floor_kernel(flush)
+        print("floor", report["floor"], flush=True)
+    for kind in args.kinds.split(",") if "configs" in parts else []:
         report[kind] = expert_configs(kind, hbm, flush)
         args.out.write_text(json.dumps(report, indent=1))  # what is measured so far survives a timeout
-    if not args.skip_mapped:
+    if "mix" in parts:
+        report["mapped_mix"] = mapped_mix(pinned, flush)
+        print("mapped mix", json.dumps(report["mapped_mix"]["by_host_experts"]), flush=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    if "mapped" in parts and not args.skip_mapped:
         report["mapped"] = mapped_sweep(pinned, flush)
         print("mapped", report["mapped"]["fastest"][:3], report["mapped"]["streaming_read"]["best"], flush=True)
     report["seconds"] = time.time() - start
