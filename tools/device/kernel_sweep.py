@@ -10,7 +10,8 @@
    x PREFETCH, against the pinned copy rate; and a plain streaming read of the same buffer (the most a kernel's
    loads draw over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
 3. `mix`: m of a layer's 8 experts in host memory, the rest in HBM, by rows a program; `floor`: what a GEMV's
-   grid costs before its weights.
+   grid costs before its weights; `random`: 4 host experts drawn each call from an 8 GiB pool (torch's pinned
+   buffers, and huge pages registered), against the same 4 every call.
 
     python3 tools/device/kernel_sweep.py --out OUT.json [--parts configs,mapped,mix,floor]
 """
@@ -212,6 +213,87 @@ def mapped_mix(pinned: float, flush: torch.Tensor) -> dict:
     return {"by_host_experts": best, "rows": rows}
 
 
+def huge_page_pool(nbytes: int) -> tuple[object, int]:
+    """`nbytes` of anonymous memory advised into transparent huge pages (2 MiB), touched, then registered for the
+    GPU (vismmoe_edge.hardware.cudart): (the mapping, its address)."""
+    import ctypes
+    import mmap
+
+    from vismmoe_edge.hardware import cudart
+
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    ctypes.memset(address, 0, nbytes)  # faulted in now, as huge pages where the kernel has them
+    rt = cudart.runtime()
+    for start in range(0, nbytes, 1 << 30):
+        err = rt.host_register(address + start, min(1 << 30, nbytes - start),
+                               cudart.REGISTER_PORTABLE | cudart.REGISTER_MAPPED)  # fmt: skip
+        if err:
+            raise RuntimeError(f"cudaHostRegister: {rt.error_string(err)}")
+    return mm, address
+
+
+def random_experts(pinned: float, flush: torch.Tensor, pool_gib: int = 8) -> dict:
+    """m = 4 of a layer's 8 experts read in place, drawn at random each call from a pool of `pool_gib` GiB of
+    host memory (as a token's misses spread over a 40 GB host tier), against the same 4 every call (`mix`): the
+    pool as host_mirror.py takes it (torch's pinned 1 GiB buffers) and as transparent huge pages registered with
+    cudaHostRegister. A gap between the fixed and the random set would be the GPU's translation of host pages."""
+    import random
+
+    from vismmoe_edge.kernels import moe_decode as md
+
+    gu_numel, dn_numel = 2 * INTER * HIDDEN, HIDDEN * INTER
+    expert_bytes = (gu_numel + dn_numel) * 2
+    per_gib = (1 << 30) // expert_bytes
+    device = torch.zeros(TOP_K, gu_numel + dn_numel, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(TOP_K, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    hv = torch.randn(TOP_K, INTER, dtype=torch.bfloat16, device="cuda")
+    gu_addrs = torch.zeros(TOP_K, dtype=torch.int64, device="cuda")
+    host_addrs = torch.zeros(TOP_K, dtype=torch.int64, pin_memory=True)
+    rng = random.Random(0)
+    report: dict = {}
+
+    def layer() -> None:
+        md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16)
+        md.gemv_at(gu_addrs + gu_numel * 2, hv, HIDDEN, torch.bfloat16)
+
+    def measure(experts: list[int], fixed: bool) -> float:
+        def before() -> None:
+            flush.zero_()
+            chosen = experts[:4] if fixed else rng.sample(experts, 4)
+            host_addrs.copy_(torch.tensor(chosen + [device[j].data_ptr() for j in range(4, TOP_K)]))
+            gu_addrs.copy_(host_addrs, non_blocking=True)
+
+        before()  # (cuda_median_us warms up without `before`: the addresses must be real first)
+        us = cuda_median_us(layer, 20, before=before)
+        return 4 * expert_bytes / (us * 1e-6) / 1e9
+
+    buffers = [torch.empty(per_gib * expert_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(pool_gib)]
+    experts = [b.data_ptr() + i * expert_bytes for b in buffers for i in range(per_gib)]
+    report["torch_pinned"] = {"fixed_gb_s": measure(experts, True), "random_gb_s": measure(experts, False)}
+    del buffers
+    try:
+        mm, address = huge_page_pool(pool_gib * per_gib * expert_bytes)
+        experts = [address + i * expert_bytes for i in range(pool_gib * per_gib)]
+        report["huge_pages_registered"] = {"fixed_gb_s": measure(experts, True),
+                                           "random_gb_s": measure(experts, False)}  # fmt: skip
+        torch.cuda.synchronize()
+        from vismmoe_edge.hardware import cudart
+
+        for start in range(0, len(mm), 1 << 30):
+            cudart.runtime().host_unregister(address + start)
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            report["thp_enabled"] = f.read().strip()
+        with open("/proc/meminfo") as f:
+            report["anon_huge_pages"] = next(line.split(":")[1].strip() for line in f if "AnonHugePages" in line)
+    except Exception as e:  # noqa: BLE001 - reported: the first half stands
+        report["huge_pages_error"] = f"{type(e).__name__}: {e}"
+    report["pinned_gb_s"] = pinned / 1e9
+    report["pool_experts"] = pool_gib * per_gib
+    return report
+
+
 def floor_kernel(flush: torch.Tensor) -> dict:
     """A kernel with the down GEMV's grid (8 experts x 64 programs) that reads its slot id, one byte of the slot
     and stores zeros: what a GEMV of that grid costs before its weights (cold, as `expert_configs` times, and
@@ -281,9 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kinds", default="int4,int8,bf16")
     ap.add_argument("--skip-mapped", action="store_true")
-    ap.add_argument("--parts", default="configs,mapped,mix,floor", help="which parts: configs (the autotune "
-                    "configs of --kinds), mapped (gemv_at over 8 host experts, streaming read), mix (m of 8 "
-                    "experts in host memory), floor (a GEMV grid's cost before its weights)")  # fmt: skip
+    ap.add_argument("--parts", default="configs,mapped,mix,floor,random", help="which parts: configs (the "
+                    "autotune configs of --kinds), mapped (gemv_at over 8 host experts, streaming read), mix (m of "
+                    "8 experts in host memory), floor (a GEMV grid's cost before its weights), random (4 of 8 "
+                    "experts drawn from an 8 GiB host pool each call)")  # fmt: skip
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     start = time.time()
@@ -300,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     if "mix" in parts:
         report["mapped_mix"] = mapped_mix(pinned, flush)
         print("mapped mix", json.dumps(report["mapped_mix"]["by_host_experts"]), flush=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    if "random" in parts:
+        report["random_experts"] = random_experts(pinned, flush)
+        print("random experts", json.dumps(report["random_experts"]), flush=True)
         args.out.write_text(json.dumps(report, indent=1))
     if "mapped" in parts and not args.skip_mapped:
         report["mapped"] = mapped_sweep(pinned, flush)
