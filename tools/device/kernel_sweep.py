@@ -11,7 +11,8 @@
    loads draw over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
 3. `mix`: m of a layer's 8 experts in host memory, the rest in HBM, by rows a program; `floor`: what a GEMV's
    grid costs before its weights; `random`: 4 host experts drawn each call from an 8 GiB pool (torch's pinned
-   buffers, and huge pages registered), against the same 4 every call.
+   buffers, and huge pages registered), against the same 4 every call; `int4`: the int4 GEMV against the same
+   loop with its input split beforehand, and with no input.
 
     python3 tools/device/kernel_sweep.py --out OUT.json [--parts configs,mapped,mix,floor]
 """
@@ -23,9 +24,11 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -213,6 +216,110 @@ def mapped_mix(pinned: float, flush: torch.Tensor) -> dict:
     return {"by_host_experts": best, "rows": rows}
 
 
+centered: object = None  # triton_codes.centered, bound by int4_variant_kernel (Triton resolves helpers here)
+
+
+def int4_variant_kernel():  # type: ignore[no-untyped-def]
+    """The int4 GEMV's loop with its input split beforehand (INPUT) or absent: `int4_variants` times it."""
+    global centered
+    import triton
+    import triton.language as tl
+
+    from vismmoe_edge.kernels.triton_codes import centered
+
+    @triton.jit
+    def _variant(w, slot_ids, a_even, a_odd, out, N, K, stride_slot, q_off, s_off, GROUP: tl.constexpr,
+                 INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        HALF: tl.constexpr = BLOCK_K // 2
+        GB: tl.constexpr = GROUP // 2
+        e = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        record = w + tl.load(slot_ids + e).to(tl.int64) * stride_slot
+        codes = record + q_off
+        sz = (record + s_off).to(tl.pointer_type(tl.bfloat16))
+        kb = K // 2
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, kb, HALF):
+            jb = start + tl.arange(0, HALF)
+            ok = jb < kb
+            byte = tl.load(codes + rows[:, None].to(tl.int64) * kb + jb[None, :], mask=row_ok[:, None] & ok[None, :],
+                           other=0)  # fmt: skip
+            if INPUT:
+                a0 = tl.load(a_even + e * kb + jb, mask=ok, other=0.0)
+                a1 = tl.load(a_odd + e * kb + jb, mask=ok, other=0.0)
+            else:
+                a0 = tl.full((HALF,), 1.0, tl.float32)
+                a1 = a0
+            part = centered(byte & 15) * a0[None, :] + centered(byte >> 4) * a1[None, :]
+            a = a0 + a1
+            if HALF <= GB:
+                at = (start // GB * N + rows) * 2
+                scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
+                zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
+                acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
+            else:
+                NG: tl.constexpr = HALF // GB
+                groups = start // GB + tl.arange(0, NG)
+                per_group = tl.sum(tl.reshape(part, (BLOCK_N, NG, GB)), axis=2)
+                a_group = tl.sum(tl.reshape(a, (NG, GB)), axis=1)
+                at = (groups[None, :] * N + rows[:, None]) * 2
+                m = row_ok[:, None] & (groups[None, :] < K // GROUP)
+                scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
+                zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
+                acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
+        tl.store(out + e * N + rows, acc, mask=row_ok)
+
+    return _variant
+
+
+def int4_variants(hbm: float, flush: torch.Tensor) -> dict:
+    """Where an int4 GEMV's time goes beyond its bytes: the shipped kernel against the same loop with its input
+    already split into even and odd columns in float32 (`split_input`: no SiLU, no reshape and split of the input
+    in registers a block) and with no input at all (`codes_only`: the codes streamed, unpacked, scaled and summed;
+    a floor for this way of unpacking), at the blocks the autotuner picks most, cold."""
+    from vismmoe_edge.kernels import moe_decode as md
+    from vismmoe_edge.kernels import moe_int4
+
+    _variant = int4_variant_kernel()
+    (gate_up, down), x, slot_ids, mix = slot_matrices("int4")
+    tuned = moe_int4._kernel()
+    h = md.gemv(gate_up, slot_ids, x.view(1, -1).expand(TOP_K, -1), mix)  # [8, 2I] float32
+    gate, up = h.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(torch.bfloat16).float()  # the down GEMV's input, as the shipped kernel rounds it
+    result: dict = {}
+    for name, w, v, silu, inputs in (
+        ("gate_up", gate_up, x.view(1, -1).expand(TOP_K, -1).contiguous(), False, x.float().expand(TOP_K, -1)),
+        ("down", down, h, True, act),
+    ):
+        a_even, a_odd = inputs[:, 0::2].contiguous(), inputs[:, 1::2].contiguous()
+        want = md.gemv(w, slot_ids, v, mix, silu_of=torch.bfloat16 if silu else None)
+        if silu:
+            want = want / mix.float()[:, None]  # the variants do not scale by the routing weight
+        out = torch.empty(TOP_K, w.n, dtype=torch.float32, device="cuda")
+        rows = []
+        for bn, bk, warps in ((8, 2048, 4), (8, 1024, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 256, 8)):
+            grid = (TOP_K, -(-w.n // bn))
+            row: dict = {"config": f"{bn}x{bk}/w{warps}"}
+            shipped = partial(tuned.fn[grid], w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot,
+                              w.q_off, w.s_off, GROUP=w.group, SILU=silu, ROUND=1 if silu else 0, BLOCK_N=bn,
+                              BLOCK_K=bk, num_warps=warps)  # fmt: skip
+            row["shipped_us"] = cold_us(shipped, flush)
+            for label, use_input in (("split_input", True), ("codes_only", False)):
+                variant = partial(_variant[grid], w.base, slot_ids, a_even, a_odd, out, w.n, w.k, w.stride_slot,
+                                  w.q_off, w.s_off, GROUP=w.group, INPUT=use_input, BLOCK_N=bn, BLOCK_K=bk,
+                                  num_warps=warps)  # fmt: skip
+                variant()
+                if use_input:
+                    row["split_input_equal"] = bool(torch.allclose(out, want, rtol=2e-3,
+                                                                   atol=2e-3 * float(want.abs().max())))  # fmt: skip
+                row[f"{label}_us"] = cold_us(variant, flush)
+            rows.append(row)
+        result[name] = {"byte_bound_us": TOP_K * matrix_bytes(w, "int4") / hbm * 1e6, "rows": rows}
+        print("int4 variants", name, json.dumps(result[name]), flush=True)
+    return result
+
+
 def huge_page_pool(nbytes: int) -> tuple[object, int]:
     """`nbytes` of anonymous memory advised into transparent huge pages (2 MiB), touched, then registered for the
     GPU (vismmoe_edge.hardware.cudart): (the mapping, its address)."""
@@ -366,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="configs,mapped,mix,floor,random", help="which parts: configs (the "
                     "autotune configs of --kinds), mapped (gemv_at over 8 host experts, streaming read), mix (m of "
                     "8 experts in host memory), floor (a GEMV grid's cost before its weights), random (4 of 8 "
-                    "experts drawn from an 8 GiB host pool each call)")  # fmt: skip
+                    "experts drawn from an 8 GiB host pool each call), int4 (the int4 GEMV against variants "
+                    "of its loop)")  # fmt: skip
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     start = time.time()
@@ -383,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     if "mix" in parts:
         report["mapped_mix"] = mapped_mix(pinned, flush)
         print("mapped mix", json.dumps(report["mapped_mix"]["by_host_experts"]), flush=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    if "int4" in parts:
+        report["int4_variants"] = int4_variants(hbm, flush)
         args.out.write_text(json.dumps(report, indent=1))
     if "random" in parts:
         report["random_experts"] = random_experts(pinned, flush)
