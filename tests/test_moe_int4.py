@@ -146,25 +146,25 @@ def test_float32_activations_are_not_rounded_and_the_per_layer_path_uses_the_ker
 
 @interpreter
 @pytest.mark.parametrize(
-    ("block_n", "block_k", "acc2d", "prefetch"),
+    ("block_n", "block_k", "acc2d", "words"),
     [(4, 2048, False, False), (8, 2048, False, False), (4, 1024, False, False), (8, 512, False, False),
      (32, 128, True, False), (16, 128, True, False), (8, 256, True, False), (32, 128, False, True),
-     (16, 256, False, True), (8, 64, False, True)],
+     (16, 256, False, True), (8, 64, False, True), (4, 2048, False, True)],
 )  # fmt: skip
 def test_the_added_autotune_configs_compute_the_same(  # type: ignore[no-untyped-def]
-    monkeypatch, block_n: int, block_k: int, acc2d: bool, prefetch: bool
+    monkeypatch, block_n: int, block_k: int, acc2d: bool, words: bool
 ) -> None:
     """The autotuner's added configs, forced in the interpreter, where the CPU tests otherwise run one fixed block:
     few rows with long blocks (one load a row at 30B-A3B shapes; blocks longer than a row, so masked columns and
-    groups), ACC2D (products kept per column, one reduction after the loop; int4: blocks of one group, and of
-    two, where it falls back to the per-block reduction) and PREFETCH (the next block's weights loaded before this
-    block is computed: several blocks a row, the last prefetch wholly masked; int4: blocks of one group, of two,
-    and of half of one), for the int4 and the bf16 GEMVs."""
+    groups), ACC2D (products kept per column, one reduction after the loop; int4: blocks of one group, and of two,
+    where it falls back to the per-block reduction), for the int4 and the bf16 GEMVs; and int4's WORDS (codes read
+    as 32-bit words, each made a float under 1.0's exponent: blocks of one group, of two, of half of one, and
+    longer than a row)."""
     from vismmoe_edge.kernels import moe_int4
 
-    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ACC2D": acc2d, "PREFETCH": prefetch}
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ACC2D": acc2d, "WORDS": words}
     monkeypatch.setattr(moe_int4, "blocks", lambda kk: config)
-    monkeypatch.setattr(md, "blocks", lambda kk: config)
+    monkeypatch.setattr(md, "blocks", lambda kk: {k: v for k, v in config.items() if k != "WORDS"})
     spec, records, dense = make_records(768, 128, 128)  # down's K (128, one group) far shorter than a block
     form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
     x = torch.randn(1, 768, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -174,6 +174,36 @@ def test_the_added_autotune_configs_compute_the_same(  # type: ignore[no-untyped
     gate_up = torch.stack([d[0] for d in dense]).to(torch.bfloat16)  # the same experts as a bf16 pool
     down = torch.stack([d[1] for d in dense]).to(torch.bfloat16)
     assert rel(md.fused_decode(x, slots, weights, gate_up, down, F.silu, summed=False), want) < 2e-2
+
+
+@interpreter
+@pytest.mark.parametrize("group", [32, 8])
+def test_words_keep_float32_activations_as_close_as_bytes(monkeypatch, group: int) -> None:  # type: ignore[no-untyped-def]
+    """WORDS sums f * a with f = 1 + code / 16 and takes 24 * sum a off after: float32 inputs give the float32
+    reference to within 1e-5 of its largest value, as the byte path does (groups of 32: blocks inside one group,
+    of two, of eight; of 8: a group a word)."""
+    from vismmoe_edge.kernels import moe_int4
+
+    spec, records, dense = make_records(256, 32, group)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
+    slots, weights = torch.tensor([[1, 4]]), torch.tensor([[0.7, 0.3]])
+    want = expert_rows(x, slots, weights, dense, F.silu).sum(0, keepdim=True)
+    for block_k in (16, 64, 256):
+        monkeypatch.setattr(moe_int4, "blocks", lambda kk, b=block_k: {"BLOCK_N": 16, "BLOCK_K": b, "WORDS": True})
+        assert rel(md.fused_decode_records(x, slots, weights, records, form, F.silu), want) < 1e-5
+
+
+def test_words_configs_only_where_rows_are_whole_words() -> None:
+    """The autotuner's pruning (moe_int4.words_fit): WORDS configs stay only where the codes' offset, a slot's
+    stride and a row's bytes are multiples of 4 and a group is whole words; the others always stay."""
+    from vismmoe_edge.kernels.moe_int4 import words_fit
+
+    configs = [SimpleNamespace(kwargs={"BLOCK_N": 8, "WORDS": True}), SimpleNamespace(kwargs={"BLOCK_N": 8})]
+    fits = {"q_off": 0, "stride_slot": 2_506_752, "K": 2048}
+    assert words_fit(configs, fits, GROUP=128) == configs
+    for bad, group in (({"q_off": 2}, 128), ({"stride_slot": 6}, 128), ({"K": 772}, 128), ({}, 4)):
+        assert words_fit(configs, {**fits, **bad}, GROUP=group) == configs[1:]
 
 
 @interpreter

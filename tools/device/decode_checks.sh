@@ -93,7 +93,8 @@ compiled)
         | grep -v "^ *[\"{}\[]" | tail -8
     ;;
 sweep)
-    timeout $(( $(left) - 5 )) python3 tools/device/kernel_sweep.py --out "$OUT/kernel_sweep.json" ${SWEEP_PARTS:+--parts "$SWEEP_PARTS"} 2>&1 | tail -30
+    timeout $(( $(left) - 5 )) python3 tools/device/kernel_sweep.py --out "$OUT/kernel_sweep.json" ${SWEEP_PARTS:+--parts "$SWEEP_PARTS"} \
+        ${SWEEP_KINDS:+--kinds "$SWEEP_KINDS"} 2>&1 | tail -30
     ;;
 sanitizer|racecheck)
     echo "== compute-sanitizer on one case (the crash's: previous-token predictor, graphs, bf16)"

@@ -3,12 +3,13 @@
 1. Every autotune config of the slot GEMVs (bf16 and int8: moe_decode._gemv_kernel; int4: moe_int4's) at 30B-A3B
    shapes (8 experts of a 64-slot pool; gate_up N=1536 K=2048, down N=2048 K=768 with the SiLU input), each
    call timed alone with L2 evicted first (as inside a token, where 48 layers' weights pass through a 50 MB L2),
-   its output checked against the autotuner's own pick. Run 16 (docs/benchmarks.md) found int4's GEMVs at ~3x
-   their byte bound inside a token while bf16's ran at ~1.07x with the same tiling: a quarter of the bytes in
-   flight a program. The PREFETCH configs keep a second block of loads in flight; this says whether they win.
-2. The address GEMV (moe_decode.gemv_at) over pinned host memory, 8 bf16 experts read in place, at blocks x warps
-   x PREFETCH, against the pinned copy rate; and a plain streaming read of the same buffer (the most a kernel's
-   loads draw over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
+   its output checked against the autotuner's own pick: for int4 the best config reading codes as bytes and the
+   best reading them as words (moe_int4's WORDS). Run 16 (docs/benchmarks.md) found int4's GEMVs at 3.4x their
+   byte bound inside a token while bf16's ran at 1.23x; configs that kept a second block of loads in flight
+   (tried in run 16) won nothing and were removed.
+2. The address GEMV (moe_decode.gemv_at) over pinned host memory, 8 bf16 experts read in place, at blocks x warps,
+   against the pinned copy rate; and a plain streaming read of the same buffer (the most a kernel's loads draw
+   over the bus here). Run 16's device-mapped rows ran at 0.44x of their bus bound.
 3. `mix`: m of a layer's 8 experts in host memory, the rest in HBM, by rows a program; `floor`: what a GEMV's
    grid costs before its weights; `random`: 4 host experts drawn each call from an 8 GiB pool (torch's pinned
    buffers, and huge pages registered), against the same 4 every call; `int4`: the int4 GEMV against the same
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -125,14 +127,14 @@ def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
             except Exception as e:  # noqa: BLE001 - a config that does not compile here: recorded, the rest run
                 rows.append({"config": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        best_plain = next((r for r in timed if "PREFETCH=True" not in r["config"]), None)
-        best_prefetch = next((r for r in timed if "PREFETCH=True" in r["config"]), None)
+        best_bytes = next((r for r in timed if "WORDS=True" not in r["config"]), None)
+        best_words = next((r for r in timed if "WORDS=True" in r["config"]), None)
         result[name] = {
             "byte_bound_us": bound,
             "autotuner_pick": str(picked),
             "fastest": timed[:6],
-            "best_without_prefetch": best_plain,
-            "best_with_prefetch": best_prefetch,
+            "best_reading_bytes": best_bytes,
+            "best_reading_words": best_words,
             "errors": [r for r in rows if "error" in r],
             "all_equal": all(r.get("equal_to_pick", True) for r in rows),
         }
@@ -141,7 +143,7 @@ def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
 
 
 def mapped_sweep(pinned: float, flush: torch.Tensor) -> dict:
-    """gemv_at over 8 bf16 experts in pinned host memory at blocks x warps x PREFETCH, and a streaming read."""
+    """gemv_at over 8 bf16 experts in pinned host memory at blocks x warps, and a streaming read."""
     from vismmoe_edge.kernels import moe_decode as md
 
     gu_numel, dn_numel = 2 * INTER * HIDDEN, HIDDEN * INTER
@@ -153,26 +155,22 @@ def mapped_sweep(pinned: float, flush: torch.Tensor) -> dict:
     want_gu = torch.stack([host[j, :gu_numel].view(2 * INTER, HIDDEN).cuda().float() @ x[j].float()
                            for j in range(TOP_K)])  # fmt: skip
     rows = []
-    for bn in (8, 16, 32, 64):
-        for bk in (128, 256, 512):
-            for warps in (4, 8):
-                for prefetch in (False, True):
-                    kw = dict(block_n=bn, block_k=bk, num_warps=warps, prefetch=prefetch)
+    for bn, bk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512), (4, 8)):
+        kw = dict(block_n=bn, block_k=bk, num_warps=warps)
 
-                    def layer(kw=kw) -> None:  # type: ignore[no-untyped-def]
-                        md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
-                        md.gemv_at(dn_addrs, hv, HIDDEN, torch.bfloat16, **kw)
+        def layer(kw=kw) -> None:  # type: ignore[no-untyped-def]
+            md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
+            md.gemv_at(dn_addrs, hv, HIDDEN, torch.bfloat16, **kw)
 
-                    try:
-                        got = md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
-                        ok = bool(torch.allclose(got, want_gu, rtol=1e-3, atol=1e-3 * float(want_gu.abs().max())))
-                        us = cold_us(layer, flush, reps=10)
-                        rows.append({**kw, "us": us, "gb_s": host.nbytes / (us * 1e-6) / 1e9, "equal": ok})
-                    except Exception as e:  # noqa: BLE001
-                        rows.append({**kw, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+        try:
+            got = md.gemv_at(gu_addrs, x, 2 * INTER, torch.bfloat16, **kw)
+            ok = bool(torch.allclose(got, want_gu, rtol=1e-3, atol=1e-3 * float(want_gu.abs().max())))
+            us = cold_us(layer, flush, reps=10)
+            rows.append({**kw, "us": us, "gb_s": host.nbytes / (us * 1e-6) / 1e9, "equal": ok})
+        except Exception as e:  # noqa: BLE001
+            rows.append({**kw, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    shipped = next((r for r in timed if (r["block_n"], r["block_k"], r["num_warps"], r["prefetch"]) ==
-                    (32, 256, 4, False)), None)  # fmt: skip
+    shipped = next((r for r in timed if (r["block_n"], r["block_k"], r["num_warps"]) == (32, 256, 4)), None)
     return {"bytes": host.nbytes, "pinned_gb_s": pinned / 1e9, "bus_bound_us": host.nbytes / pinned * 1e6,
             "fastest": timed[:6], "shipped": shipped, "errors": [r for r in rows if "error" in r],
             "streaming_read": streaming_read(host, flush)}  # fmt: skip

@@ -114,11 +114,12 @@ def mapped_decode(
 
 def gemv_at(
     addrs: torch.Tensor, v: torch.Tensor, n: int, dtype: torch.dtype, *, block_n: int = 32, block_k: int = 256,
-    num_warps: int = 4, prefetch: bool = False,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
     """addrs [k] int64: the address of a row-major [n, K] matrix of `dtype` each (device memory or mapped pinned
-    host memory); v [k, K] -> [k, n] float32. The blocks are fixed (an autotuner's timing on the first call could
-    fall inside a graph's capture); tools/device/kernel_sweep.py times others over the bus."""
+    host memory); v [k, K] -> [k, n] float32. Fixed blocks (an autotuner's timing on the first call could fall
+    inside a graph's capture): run 16's sweep over the bus (tools/device/kernel_sweep.py) found every block shape
+    within 4% of 48-50 GB/s, the shipped one among them."""
     import triton
 
     k, kk = v.shape
@@ -127,7 +128,7 @@ def gemv_at(
     block_k = min(block_k, triton.next_power_of_2(kk))
     grid = (k, triton.cdiv(n, block_n))
     _kernels()[1][grid](addrs, v, out, n, kk, v.stride(0), IS_BF16=dtype == torch.bfloat16, BLOCK_N=block_n,
-                        BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps)  # fmt: skip
+                        BLOCK_K=block_k, num_warps=num_warps)  # fmt: skip
     return out
 
 
@@ -245,9 +246,6 @@ def _kernels():  # type: ignore[no-untyped-def]
                                           # products kept per column, reduced across the row once at the end
                                           (8, 256, 4, True), (16, 256, 4, True), (32, 128, 4, True),
                                           (8, 512, 8, True))]  # fmt: skip
-        # the next block's weights asked for before this block is computed (the int4 kernel's PREFETCH)
-        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": True}, num_warps=w)
-                    for n, k, w in ((16, 256, 4), (32, 128, 4), (32, 256, 4), (32, 256, 8))]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
 
     # fmt: off
@@ -255,12 +253,10 @@ def _kernels():  # type: ignore[no-untyped-def]
     @triton.jit
     def _gemv_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, stride_row, q_off, s_off,
                      SILU: tl.constexpr, ROUND: tl.constexpr, INT8: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False):
         # fmt: on
         # ACC2D: each column's products summed over the blocks, the row's reduction (a shuffle across threads)
-        # made once after the loop instead of once per block; PREFETCH: the next block's weights are loaded
-        # before this block is computed (two blocks of reads in flight a program); which is faster is the
-        # autotuner's call
+        # made once after the loop instead of once per block; which is faster is the autotuner's call
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_ids + e).to(tl.int64)
@@ -271,19 +267,8 @@ def _kernels():  # type: ignore[no-untyped-def]
             base = w + slot * stride_slot
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        row_ptrs = base + rows[:, None].to(tl.int64) * stride_row
-        if PREFETCH:
-            first = tl.arange(0, BLOCK_K)
-            upcoming = tl.load(row_ptrs + first[None, :], mask=(rows[:, None] < N) & (first[None, :] < K), other=0)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            if PREFETCH:
-                b = upcoming
-                after = cols + BLOCK_K
-                upcoming = tl.load(row_ptrs + after[None, :], mask=(rows[:, None] < N) & (after[None, :] < K),
-                                   other=0)  # fmt: skip
-            else:
-                b = tl.load(row_ptrs + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
             if SILU:  # v holds [gate (K) | up (K)] per expert, float32
                 gate = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0)
                 up = tl.load(v + e * stride_v + K + cols, mask=cols < K, other=0.0)
@@ -294,6 +279,8 @@ def _kernels():  # type: ignore[no-untyped-def]
                     a = a.to(tl.float16).to(tl.float32)
             else:  # (stride_v 0: one input for every expert)
                 a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
+            ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+            b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
             if INT8:  # the same values as an int-to-float conversion, without one per weight (triton_codes.py)
                 b = signed_byte(b)
             else:
@@ -313,8 +300,7 @@ def _kernels():  # type: ignore[no-untyped-def]
 
     @triton.jit
     def _gemv_at_kernel(addrs, v, out, N, K, stride_v, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
-        # PREFETCH as in _gemv_kernel: over the bus a read waits microseconds, not HBM's fraction of one
+                        BLOCK_K: tl.constexpr):
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         address = tl.load(addrs + e)
@@ -323,21 +309,11 @@ def _kernels():  # type: ignore[no-untyped-def]
         else:
             base = address.to(tl.pointer_type(tl.float16))
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        row_ptrs = base + rows[:, None].to(tl.int64) * K
-        if PREFETCH:
-            first = tl.arange(0, BLOCK_K)
-            upcoming = tl.load(row_ptrs + first[None, :], mask=(rows[:, None] < N) & (first[None, :] < K), other=0.0)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            if PREFETCH:
-                b = upcoming.to(tl.float32)
-                after = cols + BLOCK_K
-                upcoming = tl.load(row_ptrs + after[None, :], mask=(rows[:, None] < N) & (after[None, :] < K),
-                                   other=0.0)  # fmt: skip
-            else:
-                b = tl.load(row_ptrs + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
-                            other=0.0).to(tl.float32)  # fmt: skip
             a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
+            ptrs = base + rows[:, None].to(tl.int64) * K + cols[None, :]
+            b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
         tl.store(out + e * N + rows, acc, mask=rows < N)
 

@@ -10,6 +10,15 @@ sum a. Accumulation is float32. Groups are powers of two (slot_form.triton_group
 covers whole groups or lies inside one.
 
 Half the bytes of int8 and a quarter of bf16 per weight: at 30B-A3B shapes a layer's 8 records are 20.1 MB.
+
+WORDS (configs the autotuner may pick): run 16 (docs/benchmarks.md) found this GEMV at 3.4x its bytes inside a
+token, and the same loop with no input at all nearly as slow: the cost is in turning codes into floats, ~5
+instructions a code against a byte bound of well under one. With WORDS a program reads its codes as 32-bit words
+of 8 codes and makes each code's float with one shift and one mask-and-or: the code under the mantissa of 1.0,
+f = 1 + code / 16, exactly; each nibble position meets its own inputs (column 8t + i for nibble i of word t), and
+since code - 8 = 16 f - 24, a group's sum (code - 8) a = 16 sum f a - 24 sum a, the second sum being the one the
+zero point needs anyway. Three instructions a code (shift, LOP3, FMA). It needs 4-byte aligned rows
+(`words_fit`); f * a stays within 2|a|, so float32 keeps ~21 bits of the result after the subtraction.
 """
 
 from __future__ import annotations
@@ -61,12 +70,22 @@ def blocks(kk: int) -> dict[str, int]:
     return {"BLOCK_N": 32, "BLOCK_K": 256 if kk >= 256 else max(2, triton.next_power_of_2(kk))}
 
 
-# (BLOCK_N, BLOCK_K, warps) of the autotuner's PREFETCH configs: the shapes of the others that read a row in
-# several blocks (a config of one block a row has nothing to prefetch)
-PREFETCH_CONFIGS = ((16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (32, 128, 4), (64, 128, 4))
+# (BLOCK_N, BLOCK_K in codes, warps) of the autotuner's WORDS configs
+WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 256, 4), (32, 512, 8),
+                 (64, 256, 8), (16, 2048, 8))  # fmt: skip
 
 _compiled: Any = None
 centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
+input_at: Any = None  # the GEMV's input at some columns, bound by _kernel()
+
+
+def words_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """The autotuner's pruning: WORDS configs only where every row of codes starts on a 4-byte boundary and a
+    group is whole words (the record's codes offset, a slot's stride, K / 2 bytes a row all multiples of 4)."""
+    aligned = named_args["q_off"] % 4 == 0 and named_args["stride_slot"] % 4 == 0 and named_args["K"] % 8 == 0
+    if aligned and kwargs.get("GROUP", 0) % 8 == 0:
+        return configs
+    return [c for c in configs if not c.kwargs.get("WORDS", False)]
 
 
 def _kernel():  # type: ignore[no-untyped-def]
@@ -77,8 +96,25 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
-    global centered  # a module global: Triton resolves a kernel's helpers there, not in this function's scope
+    global centered, input_at  # module globals: Triton resolves a kernel's helpers there, not in this scope
     from vismmoe_edge.kernels.triton_codes import centered
+
+    @triton.jit
+    def input_at(v_row, K, cols, SILU: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-redef]
+        """The GEMV's input at `cols` in float32 (0 past K): v's row, or for the down projection of SiLU experts
+        silu(gate) * up from v's [gate (K) | up (K)], rounded to the compute dtype as the torch path rounds it."""
+        ok = cols < K
+        if SILU:
+            gate = tl.load(v_row + cols, mask=ok, other=0.0)
+            up = tl.load(v_row + K + cols, mask=ok, other=0.0)
+            a = gate * tl.sigmoid(gate) * up
+            if ROUND == 1:
+                a = a.to(tl.bfloat16).to(tl.float32)
+            elif ROUND == 2:
+                a = a.to(tl.float16).to(tl.float32)
+        else:  # (a row of stride 0: one input for every expert)
+            a = tl.load(v_row + cols, mask=ok, other=0.0).to(tl.float32)
+        return a
 
     def tuned(fn):  # type: ignore[no-untyped-def]
         """Blocks (BLOCK_K in codes: half as many bytes) chosen per (N, K, group) by timing on the first call,
@@ -96,19 +132,19 @@ def _kernel():  # type: ignore[no-untyped-def]
         # one group a block (g128), its products kept per column and reduced once at the end (ACC2D)
         configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ACC2D": True}, num_warps=w)
                     for n, k, w in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8))]  # fmt: skip
-        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": True}, num_warps=w)
-                    for n, k, w in PREFETCH_CONFIGS]  # fmt: skip
-        return triton.autotune(configs=configs, key=["N", "K", "GROUP"])(fn)
+        # codes read as words (the module's docstring)
+        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "WORDS": True}, num_warps=w)
+                    for n, k, w in WORDS_CONFIGS]  # fmt: skip
+        return triton.autotune(configs=configs, key=["N", "K", "GROUP"],
+                               prune_configs_by={"early_config_prune": words_fit})(fn)  # fmt: skip
 
     # fmt: off
     @tuned
     @triton.jit
     def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
                           SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False, WORDS: tl.constexpr = False):
         # fmt: on
-        # PREFETCH: the next block's codes are loaded before this block is computed, so a program has two blocks
-        # of HBM reads in flight instead of one (Triton pipelines only the loads that feed a tl.dot)
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
         e = tl.program_id(0)
@@ -121,56 +157,75 @@ def _kernel():  # type: ignore[no-untyped-def]
         kb = K // 2
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)  # ACC2D: per column, reduced once after the loop
-        row_ptrs = codes + rows[:, None].to(tl.int64) * kb
-        if PREFETCH:
-            first = tl.arange(0, HALF)
-            upcoming = tl.load(row_ptrs + first[None, :], mask=row_ok[:, None] & (first < kb)[None, :], other=0)
-        for start in range(0, kb, HALF):
-            jb = start + tl.arange(0, HALF)
-            ok = jb < kb
-            if PREFETCH:  # this block's codes arrived during the last block; the next block's are asked for now
-                byte = upcoming
-                after = jb + HALF
-                upcoming = tl.load(row_ptrs + after[None, :], mask=row_ok[:, None] & (after < kb)[None, :], other=0)
-            else:
-                byte = tl.load(row_ptrs + jb[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
-            # the step's 2 * HALF inputs in one contiguous load, then split: the byte's low nibble meets the even
-            # ones, the high nibble the odd ones (two loads at a stride of two elements each before)
-            cols = 2 * start + tl.arange(0, 2 * HALF)
-            col_ok = cols < K
-            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate = tl.load(v + e * stride_v + cols, mask=col_ok, other=0.0)
-                up = tl.load(v + e * stride_v + K + cols, mask=col_ok, other=0.0)
-                act = gate * tl.sigmoid(gate) * up
-                if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
-                    act = act.to(tl.bfloat16).to(tl.float32)
-                elif ROUND == 2:
-                    act = act.to(tl.float16).to(tl.float32)
-            else:  # (stride_v 0: one input for every expert)
-                act = tl.load(v + e * stride_v + cols, mask=col_ok, other=0.0).to(tl.float32)
-            a0, a1 = tl.split(tl.reshape(act, (HALF, 2)))
-            lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_codes.py)
-            hi = centered(byte >> 4)
-            part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs
-            a = a0 + a1
-            if HALF <= GB:  # the block lies inside one group: one (scale, zero) per row
-                at = (start // GB * N + rows) * 2
-                scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
-                zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
-                if ACC2D:  # no reduction across threads inside the loop
-                    acc2 += part * scale[:, None] + zero[:, None] * a[None, :]
-                else:
-                    acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
-            else:  # HALF // GB whole groups: sum each, then scale it
-                NG: tl.constexpr = HALF // GB
-                groups = start // GB + tl.arange(0, NG)
-                per_group = tl.sum(tl.reshape(part, (BLOCK_N, NG, GB)), axis=2)  # [BLOCK_N, NG]
-                a_group = tl.sum(tl.reshape(a, (NG, GB)), axis=1)  # [NG]
-                at = (groups[None, :] * N + rows[:, None]) * 2
-                m = row_ok[:, None] & (groups[None, :] < K // GROUP)
-                scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
-                zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
-                acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
+        if WORDS:
+            WB: tl.constexpr = HALF // 4  # words of a row per block
+            GW: tl.constexpr = GROUP // 8  # words of a row per group
+            kw = kb // 4
+            words_of = (codes + rows[:, None].to(tl.int64) * kb).to(tl.pointer_type(tl.uint32))
+            for start in range(0, kw, WB):
+                jw = start + tl.arange(0, WB)
+                word = tl.load(words_of + jw[None, :], mask=row_ok[:, None] & (jw < kw)[None, :], other=0)
+                part = tl.zeros((BLOCK_N, WB), dtype=tl.float32)  # sum f a per word
+                a_sum = tl.zeros((WB,), dtype=tl.float32)
+                for i in tl.static_range(8):  # nibble i of word t is the code of column 8t + i
+                    a_i = input_at(v + e * stride_v, K, 8 * jw + i, SILU, ROUND)  # 0 past K
+                    if 4 * i <= 19:  # the nibble to bits 19-22, under the exponent of 1.0
+                        bits = (word << (19 - 4 * i)) & 0x780000
+                    else:
+                        bits = (word >> (4 * i - 19)) & 0x780000
+                    f = (bits | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + code / 16, exactly
+                    part += f * a_i[None, :]
+                    a_sum += a_i
+                if WB <= GW:  # the block lies inside one group
+                    at = (start // GW * N + rows) * 2
+                    scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
+                    zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
+                    total = tl.sum(a_sum, axis=0)
+                    acc += scale * (16.0 * tl.sum(part, axis=1) - 24.0 * total) + zero * total
+                else:  # WB // GW whole groups
+                    NGW: tl.constexpr = WB // GW
+                    groups = start // GW + tl.arange(0, NGW)
+                    fa = tl.sum(tl.reshape(part, (BLOCK_N, NGW, GW)), axis=2)  # [BLOCK_N, NGW]
+                    a_group = tl.sum(tl.reshape(a_sum, (NGW, GW)), axis=1)
+                    at = (groups[None, :] * N + rows[:, None]) * 2
+                    m = row_ok[:, None] & (groups[None, :] < K // GROUP)
+                    scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
+                    zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
+                    code_sum = 16.0 * fa - 24.0 * a_group[None, :]  # sum (code - 8) a per group
+                    acc += tl.sum(scale * code_sum + zero * a_group[None, :], axis=1)
+        else:
+            for start in range(0, kb, HALF):
+                jb = start + tl.arange(0, HALF)
+                ok = jb < kb
+                # the step's 2 * HALF inputs in one contiguous load, then split: the byte's low nibble meets the even
+                # ones, the high nibble the odd ones (two loads at a stride of two elements each before)
+                cols = 2 * start + tl.arange(0, 2 * HALF)
+                act = input_at(v + e * stride_v, K, cols, SILU, ROUND)
+                a0, a1 = tl.split(tl.reshape(act, (HALF, 2)))
+                ptrs = codes + rows[:, None].to(tl.int64) * kb + jb[None, :]
+                byte = tl.load(ptrs, mask=row_ok[:, None] & ok[None, :], other=0)
+                lo = centered(byte & 15)  # code - 8, exactly, with no int-to-float conversion (triton_codes.py)
+                hi = centered(byte >> 4)
+                part = lo * a0[None, :] + hi * a1[None, :]  # [BLOCK_N, HALF]; masked bytes meet zero inputs
+                a = a0 + a1
+                if HALF <= GB:  # the block lies inside one group: one (scale, zero) per row
+                    at = (start // GB * N + rows) * 2
+                    scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
+                    zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
+                    if ACC2D:  # no reduction across threads inside the loop
+                        acc2 += part * scale[:, None] + zero[:, None] * a[None, :]
+                    else:
+                        acc += scale * tl.sum(part, axis=1) + zero * tl.sum(a, axis=0)
+                else:  # HALF // GB whole groups: sum each, then scale it
+                    NG: tl.constexpr = HALF // GB
+                    groups = start // GB + tl.arange(0, NG)
+                    per_group = tl.sum(tl.reshape(part, (BLOCK_N, NG, GB)), axis=2)  # [BLOCK_N, NG]
+                    a_group = tl.sum(tl.reshape(a, (NG, GB)), axis=1)  # [NG]
+                    at = (groups[None, :] * N + rows[:, None]) * 2
+                    m = row_ok[:, None] & (groups[None, :] < K // GROUP)
+                    scale = tl.load(sz + at, mask=m, other=0.0).to(tl.float32)
+                    zero = tl.load(sz + at + 1, mask=m, other=0.0).to(tl.float32)
+                    acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
         if ACC2D:  # (zero where the blocks span several groups, which reduce per block)
             acc += tl.sum(acc2, axis=1)
         if SILU:
