@@ -15,7 +15,7 @@
    buffers, and huge pages registered), against the same 4 every call; `int4`: the int4 GEMV against the same
    loop with its input split beforehand, and with no input.
 
-    python3 tools/device/kernel_sweep.py --out OUT.json [--parts configs,mapped,mix,floor]
+    python3 tools/device/kernel_sweep.py --out OUT.json [--parts configs,mapped,mix,floor,random,int4] [--kinds int4]
 """
 
 from __future__ import annotations
@@ -467,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--kinds", default="int4,int8,bf16")
-    ap.add_argument("--skip-mapped", action="store_true")
-    ap.add_argument("--parts", default="configs,mapped,mix,floor,random", help="which parts: configs (the "
+    ap.add_argument("--parts", default="configs,mapped,mix,floor,random,int4", help="which parts: configs (the "
                     "autotune configs of --kinds), mapped (gemv_at over 8 host experts, streaming read), mix (m of "
                     "8 experts in host memory), floor (a GEMV grid's cost before its weights), random (4 of 8 "
                     "experts drawn from an 8 GiB host pool each call), int4 (the int4 GEMV against variants "
@@ -497,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         report["random_experts"] = random_experts(pinned, flush)
         print("random experts", json.dumps(report["random_experts"]), flush=True)
         args.out.write_text(json.dumps(report, indent=1))
-    if "mapped" in parts and not args.skip_mapped:
+    if "mapped" in parts:
         report["mapped"] = mapped_sweep(pinned, flush)
         print("mapped", report["mapped"]["fastest"][:3], report["mapped"]["streaming_read"]["best"], flush=True)
     report["seconds"] = time.time() - start
