@@ -177,20 +177,25 @@ def test_the_added_autotune_configs_compute_the_same(  # type: ignore[no-untyped
 
 
 @interpreter
-@pytest.mark.parametrize("group", [32, 8])
-def test_words_keep_float32_activations_as_close_as_bytes(monkeypatch, group: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("hidden", "inter", "group", "block_n"), [(256, 32, 32, 16), (256, 32, 8, 16), (320, 40, 8, 32)]
+)
+def test_words_keep_float32_activations_as_close_as_bytes(  # type: ignore[no-untyped-def]
+    monkeypatch, hidden: int, inter: int, group: int, block_n: int
+) -> None:
     """WORDS sums f * a with f = 1 + code / 16 and takes 24 * sum a off after: float32 inputs give the float32
     reference to within 1e-5 of its largest value, as the byte path does (groups of 32: blocks inside one group,
-    of two, of eight; of 8: a group a word)."""
+    of two, of eight; of 8: a group a word; 320 x 40: rows of 5 words, so masked words and masked rows)."""
     from vismmoe_edge.kernels import moe_int4
 
-    spec, records, dense = make_records(256, 32, group)
+    spec, records, dense = make_records(hidden, inter, group)
     form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(3))
     slots, weights = torch.tensor([[1, 4]]), torch.tensor([[0.7, 0.3]])
     want = expert_rows(x, slots, weights, dense, F.silu).sum(0, keepdim=True)
     for block_k in (16, 64, 256):
-        monkeypatch.setattr(moe_int4, "blocks", lambda kk, b=block_k: {"BLOCK_N": 16, "BLOCK_K": b, "WORDS": True})
+        config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "WORDS": True}
+        monkeypatch.setattr(moe_int4, "blocks", lambda kk, c=config: c)
         assert rel(md.fused_decode_records(x, slots, weights, records, form, F.silu), want) < 1e-5
 
 
