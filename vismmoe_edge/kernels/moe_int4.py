@@ -12,16 +12,16 @@ covers whole groups or lies inside one.
 Half the bytes of int8 and a quarter of bf16 per weight: at 30B-A3B shapes a layer's 8 records are 20.1 MB.
 
 WORDS (configs the autotuner may pick): run 16 (docs/benchmarks.md) found this GEMV at 3.4x its bytes inside a
-token, and the same loop with no input at all nearly as slow: the cost is in turning codes into floats, ~5
-instructions a code against a byte bound of well under one. With WORDS a program reads its codes as 32-bit words
-of 8 codes and makes each code's float with one shift and one mask-and-or: the code under the mantissa of 1.0,
-f = 1 + code / 16, exactly; each nibble position meets its own inputs (column 8t + i for nibble i of word t), and
-since code - 8 = 16 f - 24, a group's sum (code - 8) a = 16 sum f a - 24 sum a, the second sum being the one the
-zero point needs anyway. Three instructions a code (shift, LOP3, FMA). It needs 4-byte aligned rows
-(`words_fit`); f * a stays within 2|a|, so float32 keeps ~21 bits of the result after the subtraction. Alone
-with L2 evicted on an H100 (tools/device/kernel_sweep.py), gate_up at 30B-A3B shapes took 14.4 us with WORDS
-against 17.1 reading bytes; the down projection, whose SiLU input the word loop gathers per nibble position, was
-slower with it (13.4 against 12.6): the autotuner picks per shape.
+token, and the same loop with no input at all nearly as slow: the cost is in turning codes into floats (~5
+instructions a code in the byte loop: at 30B-A3B shapes about as long to issue as the codes take to arrive). With
+WORDS a program reads its codes as 32-bit words of 8 codes and makes each code's float with one shift and one
+mask-and-or: the code under the mantissa of 1.0, f = 1 + code / 16, exactly; each nibble position meets its own
+inputs (column 8t + i for nibble i of word t), and since code - 8 = 16 f - 24, a group's sum (code - 8) a = 16 sum f
+a - 24 sum a, the second sum being the one the zero point needs anyway. Three instructions a code (shift, LOP3,
+FMA). It needs 4-byte aligned rows (`words_fit`); f * a stays within 2|a|, so float32 keeps ~21 bits of the result
+after the subtraction. Alone with L2 evicted on an H100 (tools/device/kernel_sweep.py), gate_up at 30B-A3B shapes
+took 14.4 us with WORDS against 17.1 reading bytes; the down projection, whose SiLU input the word loop gathers per
+nibble position, was slower with it (13.4 against 12.6): the autotuner picks per shape.
 """
 
 from __future__ import annotations
