@@ -227,3 +227,40 @@ def test_the_dequantize_kernel_is_dequantize_rowmajor_exactly(hidden: int, inter
     for name in MATRICES:
         got = dequantize_slots(records, form, chosen, name, dtype)
         assert torch.equal(got, dequantize_rowmajor(form, records.index_select(0, chosen), name, dtype)), name
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("hidden", "inter", "group", "block_n", "words"),
+    [(256, 32, 32, 8, False), (320, 40, 8, 4, False), (320, 40, 8, 16, True), (256, 32, 32, 64, True)],
+)
+@pytest.mark.parametrize("act_of", [torch.bfloat16, torch.float32])
+def test_gated_gate_up_ends_in_the_activation_and_down_weighs_its_rows(  # type: ignore[no-untyped-def]
+    monkeypatch, hidden: int, inter: int, group: int, block_n: int, words: bool, act_of: torch.dtype
+) -> None:
+    """moe_int4.gated_int4: a program's rows are half gate rows and the same up rows, and it writes
+    silu(gate) * up rounded to the compute dtype; the down GEMV with `weigh` loads that input and scales each
+    expert's rows by its routing weight. Against the dequantized weights in float32: within 1e-5 of the largest
+    value unrounded; rounded to bf16, within one bf16 step of it (a sum's order can move a value across a rounding
+    boundary). 40 rows: the last gate/up blocks masked (4 and 16 rows a program); 64: one program wider than I."""
+    from vismmoe_edge.kernels import moe_int4
+    from vismmoe_edge.kernels.slot_matrix import record_matrix
+
+    monkeypatch.setattr(moe_int4, "blocks", lambda kk: {"BLOCK_N": block_n, "BLOCK_K": 64, "WORDS": words})
+    spec, records, dense = make_records(hidden, inter, group)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    gate_up, down = record_matrix(records, form, "gate_up_proj"), record_matrix(records, form, "down_proj")
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(5)).to(act_of)
+    slot_ids, mix = torch.tensor([3, 0, 5]), torch.tensor([0.5, 0.3, 0.2], dtype=act_of)
+    a = moe_int4.gated_int4(gate_up, slot_ids, x.expand(3, -1), act_of)
+    gates_ups = [F.linear(x.float(), dense[s][0])[0].chunk(2) for s in slot_ids.tolist()]
+    want = torch.stack([F.silu(g) * u for g, u in gates_ups])  # [k, I] float32, unrounded
+    assert a.shape == (3, inter) and a.dtype == torch.float32
+    if act_of == torch.float32:
+        assert rel(a, want) < 1e-5
+    else:
+        assert torch.equal(a, a.to(act_of).float())  # rounded as the torch path rounds it
+        assert ((a - want).abs() <= want.abs() * 2**-7 + 1e-6).all()  # one bf16 step at most
+    out = moe_int4.gemv_int4(down, slot_ids, a, mix, weigh=True)
+    want_out = torch.stack([F.linear(a[j], dense[s][1]) * mix[j].float() for j, s in enumerate(slot_ids.tolist())])
+    assert out.shape == (3, hidden) and rel(out, want_out) < 1e-5

@@ -4,7 +4,8 @@
    shapes (8 experts of a 64-slot pool; gate_up N=1536 K=2048, down N=2048 K=768 with the SiLU input), each
    call timed alone with L2 evicted first (as inside a token, where 48 layers' weights pass through a 50 MB L2),
    its output checked against the autotuner's own pick: for int4 the best config reading codes as bytes and the
-   best reading them as words (moe_int4's WORDS). Run 16 (docs/benchmarks.md) found int4's GEMVs at 3.4x their
+   best reading them as words (moe_int4's WORDS); int4 also as a token now runs it, gate_up ending in the
+   activation (GATED) and down loading it. Run 16 (docs/benchmarks.md) found int4's GEMVs at 3.4x their
    byte bound inside a token while bf16's ran at 1.23x; configs that kept a second block of loads in flight
    (tried in run 16) won nothing and were removed.
 2. The address GEMV (moe_decode.gemv_at) over pinned host memory, 8 bf16 experts read in place, at blocks x warps,
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,28 +91,55 @@ def matrix_bytes(w: object, kind: str) -> int:
     return {"bf16": n * k * 2, "int8": n * k + n * 2, "int4": n * k // 2 + (k // 128) * n * 4}[kind]
 
 
-def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
-    """Each autotune config of `kind`'s GEMV on gate_up and on down: cold microseconds, sorted."""
+def kernel_cases(kind: str) -> tuple[Any, list, torch.Tensor, torch.Tensor]:
+    """(the autotuned kernel, its cases as a token runs them: (name, w, v, flags, want, the autotuner's pick),
+    slot ids, mix). int4: gate_up ending in the activation (`gate_up_gated`, moe_int4.gated_int4) and down loading
+    it, weighted, and the plain gate_up (the kernel's non-SiLU form); bf16 and int8: gate_up, and down computing
+    the SiLU input."""
     from vismmoe_edge.kernels import moe_decode as md
     from vismmoe_edge.kernels import moe_int4
 
     (gate_up, down), x, slot_ids, mix = slot_matrices(kind)
     tuned = moe_int4._kernel() if kind == "int4" else md._kernels()[0]
-    h = md.gemv(gate_up, slot_ids, x.view(1, -1).expand(TOP_K, -1), mix)  # the autotuner's pick: the reference
+    xs = x.view(1, -1).expand(TOP_K, -1).contiguous()
+
+    def picked(out: torch.Tensor) -> tuple[torch.Tensor, Any]:  # the reference, and the config the tuner chose
+        return out, tuned.best_config
+
+    h, h_pick = picked(md.gemv(gate_up, slot_ids, xs, mix))
+    if kind == "int4":
+        a, a_pick = picked(moe_int4.gated_int4(gate_up, slot_ids, xs, torch.bfloat16))  # [8, I]: down's input
+        cases = [
+            ("gate_up", gate_up, xs, {}, h, h_pick),
+            ("gate_up_gated", gate_up, xs, {"GATED": True, "ROUND": 1}, a, a_pick),
+            ("down", down, a, {"WEIGH": True}, *picked(moe_int4.gemv_int4(down, slot_ids, a, mix, weigh=True))),
+        ]
+    else:
+        silu = {"SILU": True, "ROUND": 1}
+        cases = [
+            ("gate_up", gate_up, xs, {}, h, h_pick),
+            ("down", down, h, silu, *picked(md.gemv(down, slot_ids, h, mix, silu_of=torch.bfloat16))),
+        ]
+    return tuned, cases, slot_ids, mix
+
+
+def kernel_call(kind: str, w: Any, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, out: torch.Tensor,
+                flags: dict) -> tuple[tuple, dict]:  # fmt: skip
+    """The positional arguments and constexprs of one case's kernel, as moe_int4 / moe_decode launch it."""
+    if kind == "int4":
+        args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off)
+        return args, {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, **flags, "GROUP": w.group}
+    args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.stride_row, w.q_off, w.s_off)
+    return args, {"SILU": False, "ROUND": 0, **flags, "INT8": w.int8}
+
+
+def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
+    """Each autotune config of `kind`'s GEMV on each of kernel_cases: cold microseconds, sorted."""
+    tuned, cases, slot_ids, mix = kernel_cases(kind)
     result: dict = {}
-    for name, w, v, silu in (("gate_up", gate_up, x.view(1, -1).expand(TOP_K, -1), False), ("down", down, h, True)):
-        v = v if v.stride(-1) == 1 else v.contiguous()
-        want = md.gemv(w, slot_ids, v, mix, silu_of=torch.bfloat16 if silu else None)
-        picked = tuned.best_config
-        out = torch.empty(TOP_K, w.n, dtype=torch.float32, device="cuda")
-        common = dict(SILU=silu, ROUND=1 if silu else 0)
-        if kind == "int4":
-            args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off)
-            common["GROUP"] = w.group
-        else:
-            args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.stride_row, w.q_off,
-                    w.s_off)  # fmt: skip
-            common["INT8"] = w.int8
+    for name, w, v, flags, want, picked in cases:
+        out = torch.empty_like(want)
+        args, common = kernel_call(kind, w, slot_ids, v, mix, out, flags)
         bound = TOP_K * matrix_bytes(w, kind) / hbm * 1e6
         rows = []
         for cfg in tuned.configs:
@@ -300,7 +329,8 @@ def int4_variants(hbm: float, flush: torch.Tensor) -> dict:
             grid = (TOP_K, -(-w.n // bn))
             row: dict = {"config": f"{bn}x{bk}/w{warps}"}
             shipped = partial(tuned.fn[grid], w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot,
-                              w.q_off, w.s_off, GROUP=w.group, SILU=silu, ROUND=1 if silu else 0, BLOCK_N=bn,
+                              w.q_off, w.s_off, GROUP=w.group, SILU=silu, GATED=False, WEIGH=silu,
+                              ROUND=1 if silu else 0, BLOCK_N=bn,
                               BLOCK_K=bk, num_warps=warps)  # fmt: skip
             row["shipped_us"] = cold_us(shipped, flush)
             for label, use_input in (("split_input", True), ("codes_only", False)):

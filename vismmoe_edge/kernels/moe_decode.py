@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
-from vismmoe_edge.kernels.moe_int4 import HAS_TRITON, INTERPRET, ROUNDING, blocks, gemv_int4, grid
+from vismmoe_edge.kernels.moe_int4 import HAS_TRITON, INTERPRET, ROUNDING, blocks, gated_int4, gemv_int4, grid
 from vismmoe_edge.kernels.slot_matrix import SlotMatrix, record_matrix, use_triton_int4
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -180,13 +180,17 @@ def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act:
                down: SlotMatrix) -> torch.Tensor:  # fmt: skip
     """gate_up GEMV over the k slots; for SiLU experts (every family we run) the down GEMV computes
     silu(gate) * up as it loads its input and scales each expert's rows by its routing weight, so a layer is two
-    kernels; other activations run in torch between the GEMVs. Returns each expert's weighted output [k, H] in
-    float32; the inner activation is rounded to the compute dtype, as transformers' bf16 experts do."""
+    kernels (int4: the gate_up GEMV ends in the activation, moe_int4.gated_int4, and the down GEMV loads it);
+    other activations run in torch between the GEMVs. Returns each expert's weighted output [k, H] in float32; the
+    inner activation is rounded to the compute dtype, as transformers' bf16 experts do."""
     k = slots.shape[1]
     # As the router returns them (slots int64, weights in the compute dtype): the kernels widen both as they load,
     # where a cast here was two copy kernels a layer outside the compiled regions (run 10's profile).
     slot_ids = slots.view(-1)
     mix = weights.view(-1)
+    if gate_up.group and is_silu(act):
+        a = gated_int4(gate_up, slot_ids, x.view(1, -1).expand(k, -1), x.dtype)  # [k, I] float32
+        return gemv_int4(down, slot_ids, a, mix, weigh=True)  # [k, H] float32, weighted
     h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
     if is_silu(act):
         return gemv(down, slot_ids, h, mix, silu_of=x.dtype)  # [k, H] float32, weighted

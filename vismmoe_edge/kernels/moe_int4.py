@@ -22,6 +22,10 @@ FMA). It needs 4-byte aligned rows (`words_fit`); f * a stays within 2|a|, so fl
 after the subtraction. Alone with L2 evicted on an H100 (tools/device/kernel_sweep.py), gate_up at 30B-A3B shapes
 took 14.4 us with WORDS against 17.1 reading bytes; the down projection, whose SiLU input the word loop gathers per
 nibble position, was slower with it (13.4 against 12.6): the autotuner picks per shape.
+
+GATED (`gated_int4`, the gate_up projection of SiLU experts): a program takes BLOCK_N / 2 gate rows and the same
+up rows and writes silu(gate) * up, so the down GEMV loads its input as it is instead of computing it from
+[gate | up] in every one of its programs (and in WORDS, once per nibble position). Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -45,22 +49,44 @@ def gemv_int4(
     mix: torch.Tensor,
     *,
     silu_of: torch.dtype | None = None,
+    weigh: bool = False,
 ) -> torch.Tensor:
     """w: a slot_matrix.SlotMatrix of int4 records (`group` > 0). slot_ids [k] (int32 or int64) -> [k, N] float32:
     out[e] = W[slot_ids[e]] @ v[e]; `silu_of` as moe_decode.gemv (v [k, 2K] gate | up in float32, the input
-    silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e])."""
+    silu(gate) * up rounded to that dtype (float32: not rounded), out[e] scaled by mix[e]); `weigh`: out[e] scaled
+    by mix[e] with v the input as it is (the down projection after `gated_int4`)."""
+    return _launch(w, slot_ids, v, mix, w.n, SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0),
+                   WEIGH=weigh or silu_of is not None)  # fmt: skip
+
+
+def gated_int4(w: Any, slot_ids: torch.Tensor, x: torch.Tensor, act_of: torch.dtype) -> torch.Tensor:
+    """The gate_up projection of SiLU experts ending in their activation: w [2I, K] int4 records (gate rows, then
+    up rows), x [k, K] -> [k, I] float32 holding silu(W_gate x) * (W_up x) rounded to `act_of` (float32: not
+    rounded), the values the down GEMV's SILU input computes. A program takes a block of gate rows and the same
+    up rows, so the down GEMV loads its input instead of computing it in every one of its programs (run 16's
+    sweep: ~2 us of the down GEMV's ~12 us alone; and WORDS, which gathers the input per nibble position, paid it
+    eight times)."""
+    return _launch(w, slot_ids, x, slot_ids, w.n // 2, GATED=True, ROUND=ROUNDING.get(act_of, 0))
+
+
+def _launch(
+    w: Any, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, width: int, **flags: Any
+) -> torch.Tensor:
+    """[k, width] float32 from the kernel over `w`'s N rows; flags: the kernel's SILU, GATED, WEIGH, ROUND."""
     k = slot_ids.shape[0]
     v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
-    out = torch.empty(k, w.n, dtype=torch.float32, device=w.base.device)
+    out = torch.empty(k, width, dtype=torch.float32, device=w.base.device)
+    flags = {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, **flags}
     _kernel()[grid(k, w.n)](
         w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
-        SILU=silu_of is not None, ROUND=ROUNDING.get(silu_of, 0), **blocks(w.k),
+        **flags, **blocks(w.k),
     )  # fmt: skip
     return out
 
 
 def grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
-    """One program per (expert, block of rows): the grid of every slot GEMV here and in moe_decode.py."""
+    """One program per (expert, block of rows): the grid of every slot GEMV here and in moe_decode.py (a GATED
+    program's block is half gate rows, half up rows: as many programs as over all 2I rows)."""
     return lambda meta: (k, -(-n // meta["BLOCK_N"]))
 
 
@@ -80,6 +106,7 @@ WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 2
 _compiled: Any = None
 centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
 input_at: Any = None  # the GEMV's input at some columns, bound by _kernel()
+silu_mul: Any = None  # silu(gate) * up, rounded: bound by _kernel()
 
 
 def words_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
@@ -99,22 +126,28 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
-    global centered, input_at  # module globals: Triton resolves a kernel's helpers there, not in this scope
+    global centered, input_at, silu_mul  # module globals: Triton resolves a kernel's helpers there, not here
     from vismmoe_edge.kernels.triton_codes import centered
+
+    @triton.jit
+    def silu_mul(gate, up, ROUND: tl.constexpr):  # type: ignore[no-redef]
+        """silu(gate) * up in float32, rounded to the compute dtype as the torch path rounds it."""
+        a = gate * tl.sigmoid(gate) * up
+        if ROUND == 1:
+            a = a.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            a = a.to(tl.float16).to(tl.float32)
+        return a
 
     @triton.jit
     def input_at(v_row, K, cols, SILU: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-redef]
         """The GEMV's input at `cols` in float32 (0 past K): v's row, or for the down projection of SiLU experts
-        silu(gate) * up from v's [gate (K) | up (K)], rounded to the compute dtype as the torch path rounds it."""
+        silu(gate) * up from v's [gate (K) | up (K)]."""
         ok = cols < K
         if SILU:
             gate = tl.load(v_row + cols, mask=ok, other=0.0)
             up = tl.load(v_row + K + cols, mask=ok, other=0.0)
-            a = gate * tl.sigmoid(gate) * up
-            if ROUND == 1:
-                a = a.to(tl.bfloat16).to(tl.float32)
-            elif ROUND == 2:
-                a = a.to(tl.float16).to(tl.float32)
+            a = silu_mul(gate, up, ROUND)
         else:  # (a row of stride 0: one input for every expert)
             a = tl.load(v_row + cols, mask=ok, other=0.0).to(tl.float32)
         return a
@@ -138,21 +171,29 @@ def _kernel():  # type: ignore[no-untyped-def]
         # codes read as words (the module's docstring)
         configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "WORDS": True}, num_warps=w)
                     for n, k, w in WORDS_CONFIGS]  # fmt: skip
-        return triton.autotune(configs=configs, key=["N", "K", "GROUP"],
+        return triton.autotune(configs=configs, key=["N", "K", "GROUP", "SILU", "GATED"],
                                prune_configs_by={"early_config_prune": words_fit})(fn)  # fmt: skip
 
     # fmt: off
     @tuned
     @triton.jit
     def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
-                          SILU: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False, WORDS: tl.constexpr = False):
+                          SILU: tl.constexpr, GATED: tl.constexpr, WEIGH: tl.constexpr, ROUND: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False,
+                          WORDS: tl.constexpr = False):
         # fmt: on
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
         e = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        if GATED:  # BLOCK_N // 2 gate rows, then the same up rows (N // 2 further on)
+            R: tl.constexpr = BLOCK_N // 2
+            lane = tl.arange(0, BLOCK_N)
+            unit = tl.program_id(1) * R + lane % R  # the output's index: gate row `unit`, up row N // 2 + `unit`
+            rows = unit + (lane // R) * (N // 2)
+            row_ok = unit < N // 2
+        else:
+            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < N
         slot = tl.load(slot_ids + e).to(tl.int64)
         record = w + slot * stride_slot  # this slot's record (uint8)
         codes = record + q_off  # [N, K/2] row-major nibbles
@@ -231,9 +272,14 @@ def _kernel():  # type: ignore[no-untyped-def]
                     acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
         if ACC2D:  # (zero where the blocks span several groups, which reduce per block)
             acc += tl.sum(acc2, axis=1)
-        if SILU:
-            acc = acc * tl.load(mix + e).to(tl.float32)
-        tl.store(out + e * N + rows, acc, mask=row_ok)
+        if GATED:  # acc holds the gate rows, then the up rows: [2, R] -> [R, 2] -> gate, up
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2)), (1, 0)))
+            outs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out + e * (N // 2) + outs, silu_mul(gate, up, ROUND), mask=outs < N // 2)
+        else:
+            if WEIGH:
+                acc = acc * tl.load(mix + e).to(tl.float32)
+            tl.store(out + e * N + rows, acc, mask=row_ok)
 
     _compiled = _gemv_int4_kernel
     return _compiled
