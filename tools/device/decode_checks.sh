@@ -37,6 +37,9 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 LIMIT=${LIMIT:-530}  # seconds: the call's 9 minutes less the wheel install and a margin (less where the call runs more)
 left() { echo $((LIMIT - ($(date +%s) - T0))); }
+# seconds for a step that leaves $1 for the steps after it; at least 30 (a negative timeout is an error, and the
+# step would not run at all where a short LIMIT was asked for)
+upto() { local s=$(( $(left) - $1 )); echo $(( s > 30 ? s : 30 )); }
 . "$(dirname "$0")/carried_wheels.sh"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 python3 setup.py -q build_ext --inplace > "$OUT/native-build.log" 2>&1 || echo "native helper not built (see native-build.log)"
@@ -73,7 +76,7 @@ checks|suite)
 compiled)
     # the checkpoint first (~90 s on a fresh machine): built after the checks, with what time they left, run 15's
     # build was killed at 76% and the next step built it again from the start
-    timeout $(( $(left) - 330 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    timeout "$(upto 330)" python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== decode checks with compiled layers (equivalence under the near-tie rule, host syncs), one MoE layer"
     LAYER=(); [ -n "${SKIP_LAYER:-}" ] && LAYER=(--skip-layer)  # SKIP_LAYER=1: no per-layer timings this call
     timeout 180 python3 tools/device/decode_checks.py --compile "${LAYER[@]}" --out "$OUT/decode_checks_compiled.json" 2>&1 \
@@ -83,17 +86,17 @@ compiled)
     STRATS=device-resident-compiled,device-resident-compiled-qkv-cublas,device-resident-compiled-cublas
     STRATS=${COMPILED_STRATS:-$STRATS}
     # (the baseline after it needs ~60-90 s: its static cache's compile and three trials)
-    timeout $(( $(left) - 90 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+    timeout "$(upto 90)" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --repeats "${REPEATS:-2}" --strategies "$STRATS" \
         --routings sampled --skip-baselines \
         --json "$OUT/discrete-compiled.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -30
     echo "== transformers, static cache (generate compiles the decode step), same machine, same call"
-    timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+    timeout "$(upto 5)" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --baselines-only --strategies hf-static,hf-static-no-cudnn --json "$OUT/discrete-compiled-baseline.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -8
     ;;
 sweep)
-    timeout $(( $(left) - 5 )) python3 tools/device/kernel_sweep.py --out "$OUT/kernel_sweep.json" ${SWEEP_PARTS:+--parts "$SWEEP_PARTS"} \
+    timeout "$(upto 5)" python3 tools/device/kernel_sweep.py --out "$OUT/kernel_sweep.json" ${SWEEP_PARTS:+--parts "$SWEEP_PARTS"} \
         ${SWEEP_KINDS:+--kinds "$SWEEP_KINDS"} 2>&1 | tail -30
     ;;
 sanitizer|racecheck)
@@ -112,15 +115,15 @@ sanitizer|racecheck)
     done
     ;;
 baselines)
-    timeout $(( $(left) - 200 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    timeout "$(upto 200)" python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     echo "== transformers every weight on the GPU: static cache (the reference), DynamicCache"
-    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+    timeout "$(upto 10)" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --baselines-only --strategies hf-static,hf-static-no-cudnn,hf-resident --json "$OUT/discrete-baselines.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -20
     ;;
 bench|bench-int4)
     MODEL=/tmp/bench/qwen3vl-30b-a3b-48layer
-    timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
+    timeout "$(upto 300)" python3 tools/bench/discrete.py --out-dir /tmp/bench --build-only 2>&1 | tail -3
     if [ "$MODE" = bench ]; then
         # (unified-slots has a call of its own, `unified`: here it measured the lease's disk, run 6)
         STRATS=${BENCH_STRATS:-device-resident,device-mapped,device-mapped-promotion-8,budget-default,popularity}
@@ -136,7 +139,7 @@ bench|bench-int4)
             [ "$(avail /dev/shm || echo 0)" -ge 20000000000 ] || { echo "no 20 GB free on /tmp or /dev/shm"; exit 1; }
         fi
         mkdir -p "$OUTDIR"
-        [ -d "$OUTDIR/qwen3vl-30b-a3b-48layer" ] || timeout $(( $(left) - 240 )) python3 -m vismmoe_edge.cli quantize \
+        [ -d "$OUTDIR/qwen3vl-30b-a3b-48layer" ] || timeout "$(upto 240)" python3 -m vismmoe_edge.cli quantize \
             "$MODEL" "$OUTDIR/qwen3vl-30b-a3b-48layer" --bits 4 --no-progress 2>&1 | tail -3
         cp /tmp/bench/image-1056.png "$OUTDIR/" 2>/dev/null
         # the device path, every expert resident, and the engine's own choices at 20 GiB (where int4 experts all
@@ -147,18 +150,18 @@ bench|bench-int4)
     # keeps most of its GPU memory (runs 13 and 16: the baseline's 57 GB found 20 GB free on an 80 GB H100)
     BASE_RESERVE=${BASE_RESERVE_S:-90}
     BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-120}
-    timeout $(( $(left) - 10 - BF16_RESERVE - BASE_RESERVE )) python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
+    timeout "$(upto $((10 + BF16_RESERVE + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
         --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay \
         "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -40
     if [ "$MODE" = bench-int4 ]; then
         echo "== same call: bf16 every expert resident (device path, compiled)"
-        timeout $(( $(left) - 5 - BASE_RESERVE )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 \
+        timeout "$(upto $((5 + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 \
             --new-tokens 16 --repeats 2 --strategies device-resident --routings sampled --skip-baselines \
             --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
     fi
     echo "== same call: transformers' static cache (cuDNN SDPA off: its faster mode on these GPUs)"
-    timeout $(( $(left) - 5 )) python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
+    timeout "$(upto 5)" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 --new-tokens 16 \
         --baselines-only --strategies hf-static-no-cudnn --json "$OUT/discrete-$MODE-baseline.json" 2>&1 \
         | grep -v "^ *[\"{}\[]" | tail -8
     ;;
@@ -175,8 +178,8 @@ unified)
     avail=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -1)
     [ "${avail:-0}" -ge 34000000000 ] || [ -d $DIR/qwen3vl-30b-a3b-24layer ] || DIR=/tmp/bench-unified
     echo "== checkpoint in $DIR"
-    timeout $(( $(left) - 300 )) python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --build-only 2>&1 | tail -2
-    timeout $(( $(left) - 10 )) python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --new-tokens 16 \
+    timeout "$(upto 300)" python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --build-only 2>&1 | tail -2
+    timeout "$(upto 10)" python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --new-tokens 16 \
         --repeats 2 --gpu-gib 10 --strategies unified-slots,unified-slots-next-layer-gate --routings sampled,trace-replay \
         "${REPLAY[@]}" \
         --skip-baselines --compile-device-rows --json "$OUT/discrete-unified.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12

@@ -15,5 +15,8 @@ python3 tools/bench/prefix_cache.py --model /tmp/bench/qwen3vl-30b-a3b-48layer -
     --serve-arg=--host-tier --serve-arg=off --log "$OUT/daemon.log" --json "$OUT/prefix_cache.json" \
     > "$OUT/prefix_cache.log" 2>&1
 grep -v '^ ' "$OUT/prefix_cache.log" | tail -8
+# the summary (indented in the log, so not above): printed here too, as a call may not bring every file back
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k not in ("rows", "metrics")})' \
+    "$OUT/prefix_cache.json"
 echo "== recompiles after READY:"
 sed -n '/ready: model/,$p' "$OUT/daemon.log" | grep -A4 "Recompiling" | cut -c1-300 || true
