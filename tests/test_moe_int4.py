@@ -211,6 +211,21 @@ def test_words_configs_only_where_rows_are_whole_words() -> None:
         assert words_fit(configs, {**fits, **bad}, GROUP=group) == configs[1:]
 
 
+def test_dot_configs_only_for_bf16_inputs_and_groups_of_16_words() -> None:
+    """The autotuner's pruning (moe_int4.configs_fit): DOT configs stay only where a group is at least 128 codes,
+    rows are whole words and the input is bf16 exactly (a bf16 tensor, or the SiLU input rounded to bf16)."""
+    from vismmoe_edge.kernels.moe_int4 import configs_fit
+
+    dot, words, plain = (SimpleNamespace(kwargs={"BLOCK_N": 64, key: True}) for key in ("DOT", "WORDS", "ACC2D"))
+    configs = [dot, words, plain]
+    fits = {"q_off": 0, "stride_slot": 2_506_752, "K": 2048, "v": torch.zeros(1, dtype=torch.bfloat16)}
+    assert configs_fit(configs, fits, GROUP=128) == configs
+    assert configs_fit(configs, {**fits, "v": torch.zeros(1)}, GROUP=128) == [words, plain]  # float32 input
+    assert configs_fit(configs, {**fits, "v": torch.zeros(1)}, GROUP=128, SILU=True, ROUND=1) == configs
+    assert configs_fit(configs, fits, GROUP=64) == [words, plain]  # a dot's inner size is 16 words at least
+    assert configs_fit(configs, {**fits, "q_off": 2}, GROUP=128) == [plain]
+
+
 @interpreter
 @pytest.mark.parametrize(("hidden", "inter", "group"), [(64, 32, 16), (80, 48, 16), (256, 128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -255,12 +270,45 @@ def test_gated_gate_up_ends_in_the_activation_and_down_weighs_its_rows(  # type:
     a = moe_int4.gated_int4(gate_up, slot_ids, x.expand(3, -1), act_of)
     gates_ups = [F.linear(x.float(), dense[s][0])[0].chunk(2) for s in slot_ids.tolist()]
     want = torch.stack([F.silu(g) * u for g, u in gates_ups])  # [k, I] float32, unrounded
-    assert a.shape == (3, inter) and a.dtype == torch.float32
+    assert a.shape == (3, inter) and a.dtype == act_of  # bf16 values kept in bf16: the down GEMV may take DOT
     if act_of == torch.float32:
         assert rel(a, want) < 1e-5
     else:
-        assert torch.equal(a, a.to(act_of).float())  # rounded as the torch path rounds it
-        assert ((a - want).abs() <= want.abs() * 2**-7 + 1e-6).all()  # one bf16 step at most
+        assert ((a.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all()  # one bf16 step at most
     out = moe_int4.gemv_int4(down, slot_ids, a, mix, weigh=True)
-    want_out = torch.stack([F.linear(a[j], dense[s][1]) * mix[j].float() for j, s in enumerate(slot_ids.tolist())])
+    want_out = torch.stack([F.linear(a[j].float(), dense[s][1]) * mix[j].float()
+                            for j, s in enumerate(slot_ids.tolist())])  # fmt: skip
     assert out.shape == (3, hidden) and rel(out, want_out) < 1e-5
+
+
+@interpreter
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+def test_dot_configs_sum_the_products_by_tensor_cores_exactly_enough(monkeypatch, block_n: int) -> None:  # type: ignore[no-untyped-def]
+    """DOT: two codes of a 32-bit word made bf16 16 + code under one exponent with a shift and a mask-or, a dot per
+    nibble position against the input in column 0 of 16, 24 sum a taken off per group. Forced for both GEMVs of a
+    layer with bf16 inputs at g128 (gate_up ending in the activation: 3 groups; down: 1), against the dequantized
+    weights and against the byte loop (the same bf16 activation, summed in another order); and for the down GEMV
+    that computes silu(gate) * up from [gate | up] rounded to bf16, which dot_fit also admits."""
+    from vismmoe_edge.kernels import moe_int4
+    from vismmoe_edge.kernels.slot_matrix import record_matrix
+
+    spec, records, dense = make_records(384, 128, 128)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[4, 1, 5]]), torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.bfloat16)
+    byte_loop = {"BLOCK_N": 16, "BLOCK_K": 64}
+    dot = {"BLOCK_N": block_n, "BLOCK_K": 128, "DOT": True}
+
+    def layer(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(moe_int4, "blocks", lambda kk: config)
+        rows = md.fused_decode_records(x, slots, weights, records, form, F.silu, summed=False)
+        gate_up, down = record_matrix(records, form, "gate_up_proj"), record_matrix(records, form, "down_proj")
+        h = moe_int4.gemv_int4(gate_up, slots[0], x.expand(3, -1), weights[0])  # [3, 2I] float32
+        silu_down = moe_int4.gemv_int4(down, slots[0], h, weights[0], silu_of=torch.bfloat16)
+        return rows, silu_down
+
+    bytes_rows, bytes_silu = layer(byte_loop)
+    rows, silu_rows = layer(dot)
+    assert rel(rows, expert_rows(x, slots, weights, dense, F.silu)) < 2e-2  # bf16 inputs and activation
+    assert rel(rows, bytes_rows) < 1e-5  # the same values up to the sums' order (9e-8 at this seed)
+    assert rel(silu_rows, bytes_silu) < 1e-5

@@ -24,6 +24,10 @@ ARCH = 90  # sm_90: the H100 and H200
 # constexprs a kernel takes as the interpreter needs and the GPU otherwise (grouped_int4.py, decode_attention.py):
 # each launch is also compiled with the GPU's values
 GPU_CONSTEXPRS = {"NATIVE_CAST": True, "IEEE": False}
+# TRITON_FRONTEND_FULL=1: every stage to a cubin with Triton's bundled ptxas (layouts, lowering and ptxas errors the
+# front end alone cannot see); TRITON_FRONTEND_SASS=DIR also writes each kernel's SASS there
+FULL = os.environ.get("TRITON_FRONTEND_FULL") == "1"
+SASS_DIR = os.environ.get("TRITON_FRONTEND_SASS", "")
 
 
 _binders: dict = {}  # an interpreted kernel -> (its JITFunction, the sm_90 backend, the binder): built once
@@ -65,6 +69,7 @@ def find_kernel(module: str, name: str, line: int):
 
 
 def compile_all(path: str) -> int:
+    import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -72,6 +77,7 @@ def compile_all(path: str) -> int:
     target = GPUTarget("cuda", ARCH, 32)
     backend = make_backend(target)
     failures = total = 0
+    full: list = []  # (label, compiled kernel) where FULL
     with open(path, "rb") as f:
         launches = [pickle.loads(launch) for launch in pickle.load(f)]
     for module, name, line, signature, constexprs, attrs, options in launches:
@@ -85,13 +91,41 @@ def compile_all(path: str) -> int:
             total += 1
             try:
                 source = ASTSource(kernel, signature, values, attrs)
-                source.make_ir(target, options, backend.get_codegen_implementation(options),
-                               backend.get_module_map(), context)
+                if FULL:  # every stage to a cubin, ptxas included (Triton's own copy: no GPU, no CUDA install)
+                    compiled = triton.compile(source, target=target, options=dict(options.__dict__))
+                    full.append((f"{name} {values}", compiled))
+                else:
+                    source.make_ir(
+                        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+                    )
             except Exception as exc:  # noqa: BLE001 (each kernel's error is reported)
                 failures += 1
                 print(f"FRONT END FAILED {module}.{name} {signature} {values}: {exc}", file=sys.stderr)
-    print(f"front end (sm_{ARCH}): {total - failures} of {total} specializations compiled")
+    print(f"{'whole pipeline' if FULL else 'front end'} (sm_{ARCH}): {total - failures} of {total} specializations "
+          "compiled")  # fmt: skip
+    if FULL and SASS_DIR:
+        write_sass(full, SASS_DIR)
     return failures
+
+
+def write_sass(kernels: list, out_dir: str) -> None:
+    """Each compiled kernel's SASS (Triton's bundled nvdisasm) with its registers and spills, one file each."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    os.makedirs(out_dir, exist_ok=True)
+    for i, (label, compiled) in enumerate(kernels):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True).stdout
+        header = f"// {label}\n// shared memory {compiled.metadata.shared} bytes\n"
+        with open(os.path.join(out_dir, f"kernel_{i:03d}.sass"), "w") as f:
+            f.write(header + sass)
+    print(f"SASS of {len(kernels)} kernels in {out_dir}")
 
 
 def main() -> int:

@@ -189,7 +189,7 @@ def _two_gemvs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, act:
     slot_ids = slots.view(-1)
     mix = weights.view(-1)
     if gate_up.group and is_silu(act):
-        a = gated_int4(gate_up, slot_ids, x.view(1, -1).expand(k, -1), x.dtype)  # [k, I] float32
+        a = gated_int4(gate_up, slot_ids, x.view(1, -1).expand(k, -1), x.dtype)  # [k, I] in x's dtype
         return gemv_int4(down, slot_ids, a, mix, weigh=True)  # [k, H] float32, weighted
     h = gemv(gate_up, slot_ids, x.view(1, -1).expand(k, -1), mix)  # [k, 2I] float32
     if is_silu(act):

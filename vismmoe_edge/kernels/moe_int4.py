@@ -28,6 +28,16 @@ up rows and writes silu(gate) * up, so the down GEMV loads its input as it is in
 [gate | up] in every one of its programs (and in WORDS, once per nibble position). Run 17 (docs/benchmarks.md): the
 down GEMV alone 11.0 us against 12.6; the int4 GEMVs of a token 19.2 us a layer against 23.1, int4 1.16x bf16. Nsight
 Compute found the gate_up kernel bound by issuing instructions (~9.8 a code), not by its bytes.
+
+DOT (configs the autotuner may pick where a group is 128 codes or more and the input is bf16, `dot_fit`): the
+products are summed by tensor cores. A step takes one group: each 32-bit word's nibbles i and i + 4 are moved to
+bits 3-6 of the word's two halves with one shift and put under bf16 16.0's exponent with one mask-and-or
+(`codes_bf16`: two exact bf16 values 16 + code), the eight such halves are joined back into the group's column
+order, and one dot multiplies the [rows, group] tile by the group's inputs in column 0 of 16 (a dot is at least 16
+wide; the other columns are zero). A group's sum of (code - 8) a is then the dot's minus 24 sum a, scaled once,
+as WORDS does; bf16 products are exact and the dot sums them in float32. Compiled for sm_90 on the CPU
+(tools/int4_sass.py) the step is 4.3 thread instructions a code at 128 rows and 4 warps (wgmma) against 10.1 for
+the byte loop the autotuner picked in run 17 and 5.4-7.1 for WORDS; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -63,22 +73,24 @@ def gemv_int4(
 
 def gated_int4(w: Any, slot_ids: torch.Tensor, x: torch.Tensor, act_of: torch.dtype) -> torch.Tensor:
     """The gate_up projection of SiLU experts ending in their activation: w [2I, K] int4 records (gate rows, then
-    up rows), x [k, K] -> [k, I] float32 holding silu(W_gate x) * (W_up x) rounded to `act_of` (float32: not
-    rounded), the values the down GEMV's SILU input computes. A program takes a block of gate rows and the same
-    up rows, so the down GEMV loads its input instead of computing it in every one of its programs (run 16's
-    sweep: ~2 us of the down GEMV's ~12 us alone; and WORDS, which gathers the input per nibble position, paid it
-    eight times)."""
-    return _launch(w, slot_ids, x, slot_ids, w.n // 2, GATED=True, ROUND=ROUNDING.get(act_of, 0))
+    up rows), x [k, K] -> [k, I] silu(W_gate x) * (W_up x) rounded to `act_of` and held in it (float32: not
+    rounded), the values the down GEMV's SILU input computes; a bf16 result lets the down GEMV take DOT configs.
+    A program takes a block of gate rows and the same up rows, so the down GEMV loads its input instead of
+    computing it in every one of its programs (run 16's sweep: ~2 us of the down GEMV's ~12 us alone; and WORDS,
+    which gathers the input per nibble position, paid it eight times)."""
+    dtype = act_of if act_of in ROUNDING else torch.float32  # the values are act_of's: kept in it, exactly
+    return _launch(w, slot_ids, x, slot_ids, w.n // 2, dtype, GATED=True, ROUND=ROUNDING.get(act_of, 0))
 
 
 def _launch(
-    w: Any, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, width: int, **flags: Any
-) -> torch.Tensor:
-    """[k, width] float32 from the kernel over `w`'s N rows; flags: the kernel's SILU, GATED, WEIGH, ROUND."""
+    w: Any, slot_ids: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, width: int,
+    dtype: torch.dtype = torch.float32, **flags: Any,
+) -> torch.Tensor:  # fmt: skip
+    """[k, width] of `dtype` from the kernel over `w`'s N rows; flags: the kernel's SILU, GATED, WEIGH, ROUND."""
     k = slot_ids.shape[0]
     v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
-    out = torch.empty(k, width, dtype=torch.float32, device=w.base.device)
-    flags = {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, **flags}
+    out = torch.empty(k, width, dtype=dtype, device=w.base.device)
+    flags = {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, "IEEE": INTERPRET, **flags}
     _kernel()[grid(k, w.n)](
         w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
         **flags, **blocks(w.k),
@@ -105,19 +117,47 @@ def blocks(kk: int) -> dict[str, int]:
 WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 256, 4), (32, 512, 8),
                  (64, 256, 8), (16, 2048, 8))  # fmt: skip
 
+# (BLOCK_N, warps, pipeline stages) of the autotuner's DOT configs: Triton's SASS for sm_90, compiled on the CPU
+# (tools/int4_sass.py), has a group's step at 4.3 thread instructions a code for 128 rows and 4 warps (wgmma), 5.8
+# for 64 rows, 8.5 and more for 16-32 rows (the input's tile costs the same for any rows); the byte loop the
+# autotuner picked in run 17 10.1, WORDS 5.4-7.1
+DOT_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (32, 2, 3))
+
 _compiled: Any = None
 centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
 input_at: Any = None  # the GEMV's input at some columns, bound by _kernel()
 silu_mul: Any = None  # silu(gate) * up, rounded: bound by _kernel()
+codes_bf16: Any = None  # two nibbles of a word of codes as bf16 16 + code: bound by _kernel()
 
 
 def words_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
     """The autotuner's pruning: WORDS configs only where every row of codes starts on a 4-byte boundary and a
     group is whole words (the record's codes offset, a slot's stride, K / 2 bytes a row all multiples of 4)."""
-    aligned = named_args["q_off"] % 4 == 0 and named_args["stride_slot"] % 4 == 0 and named_args["K"] % 8 == 0
-    if aligned and kwargs.get("GROUP", 0) % 8 == 0:
+    if words_aligned(named_args, kwargs.get("GROUP", 0)):
         return configs
     return [c for c in configs if not c.kwargs.get("WORDS", False)]
+
+
+def words_aligned(named_args: dict, group: int) -> bool:
+    """Every row of codes starts on a 4-byte boundary and a group is whole 32-bit words."""
+    aligned = named_args["q_off"] % 4 == 0 and named_args["stride_slot"] % 4 == 0 and named_args["K"] % 8 == 0
+    return aligned and group % 8 == 0
+
+
+def dot_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """DOT configs only where a group is at least 16 words (a dot's inner size is at least 16), rows are whole
+    words, and the input is bf16 exactly (a bf16 tensor, or the SiLU input rounded to bf16): the tensor cores
+    multiply bf16 values."""
+    group = kwargs.get("GROUP", 0)
+    exact = named_args["v"].dtype == torch.bfloat16 or (kwargs.get("SILU", False) and kwargs.get("ROUND", 0) == 1)
+    if group >= 128 and words_aligned(named_args, group) and exact:
+        return configs
+    return [c for c in configs if not c.kwargs.get("DOT", False)]
+
+
+def configs_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """The autotuner's pruning: words_fit, then dot_fit."""
+    return dot_fit(words_fit(configs, named_args, **kwargs), named_args, **kwargs)
 
 
 def _kernel():  # type: ignore[no-untyped-def]
@@ -128,7 +168,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
-    global centered, input_at, silu_mul  # module globals: Triton resolves a kernel's helpers there, not here
+    global centered, codes_bf16, input_at, silu_mul  # module globals: Triton resolves a kernel's helpers there
     from vismmoe_edge.kernels.triton_codes import centered
 
     @triton.jit
@@ -140,6 +180,19 @@ def _kernel():  # type: ignore[no-untyped-def]
         elif ROUND == 2:
             a = a.to(tl.float16).to(tl.float32)
         return a
+
+    @triton.jit
+    def codes_bf16(word, NI: tl.constexpr):  # type: ignore[no-redef]
+        """Nibbles NI and NI + 4 of 32-bit words of codes as bf16 16 + code, exactly: both moved to bits 3-6 of
+        their half with one shift, masked and put under 16.0's exponent (0x4180) with one LOP3."""
+        if NI == 0:
+            bits = (word << 3) & 0x00780078
+        else:
+            bits = (word >> (4 * NI - 3)) & 0x00780078
+        pair = bits | 0x41804180
+        lo = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return lo, hi
 
     @triton.jit
     def input_at(v_row, K, cols, SILU: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-redef]
@@ -173,8 +226,11 @@ def _kernel():  # type: ignore[no-untyped-def]
         # codes read as words (the module's docstring)
         configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "WORDS": True}, num_warps=w)
                     for n, k, w in WORDS_CONFIGS]  # fmt: skip
+        # the products summed by tensor cores (DOT: a group a step, so BLOCK_K is unused)
+        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": 128, "DOT": True}, num_warps=w, num_stages=st)
+                    for n, w, st in DOT_CONFIGS]  # fmt: skip
         return triton.autotune(configs=configs, key=["N", "K", "GROUP", "SILU", "GATED"],
-                               prune_configs_by={"early_config_prune": words_fit})(fn)  # fmt: skip
+                               prune_configs_by={"early_config_prune": configs_fit})(fn)  # fmt: skip
 
     # fmt: off
     @tuned
@@ -182,7 +238,7 @@ def _kernel():  # type: ignore[no-untyped-def]
     def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
                           SILU: tl.constexpr, GATED: tl.constexpr, WEIGH: tl.constexpr, ROUND: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False,
-                          WORDS: tl.constexpr = False):
+                          WORDS: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
         # fmt: on
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
@@ -203,7 +259,34 @@ def _kernel():  # type: ignore[no-untyped-def]
         kb = K // 2
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)  # ACC2D: per column, reduced once after the loop
-        if WORDS:
+        if DOT:  # the products summed by tensor cores, a group a step (the module's docstring)
+            DW: tl.constexpr = GROUP // 8  # words of a row per group
+            dot_words = (codes + rows[:, None].to(tl.int64) * kb).to(tl.pointer_type(tl.uint32))
+            dt = tl.arange(0, DW)
+            dk = tl.arange(0, GROUP)
+            column0 = (tl.arange(0, 16) == 0).to(tl.float32)[None, :]  # the input in column 0 of a dot's 16
+            for gi in range(0, K // GROUP):
+                dword = tl.load(dot_words + gi * DW + dt[None, :], mask=row_ok[:, None], other=0)
+                # nibbles i and i + 4 of each word (columns 8t + i, 8t + i + 4) as two bf16s 16 + code: joined
+                # back so that the tile's columns are the group's in order, and the input is read contiguously
+                n0, n4 = codes_bf16(dword, 0)
+                n1, n5 = codes_bf16(dword, 1)
+                n2, n6 = codes_bf16(dword, 2)
+                n3, n7 = codes_bf16(dword, 3)
+                i0, i1, i2, i3 = tl.join(n0, n4), tl.join(n1, n5), tl.join(n2, n6), tl.join(n3, n7)  # [.., h]
+                wt = tl.reshape(tl.join(tl.join(i0, i2), tl.join(i1, i3)), (BLOCK_N, GROUP))  # [.., t, h, s, u]
+                xg = input_at(v + e * stride_v, K, gi * GROUP + dk, SILU, ROUND)  # [GROUP] float32, bf16 values
+                xb = (xg[:, None] * column0).to(tl.bfloat16)  # exact: the input is bf16 (dot_fit)
+                if IEEE:  # the interpreter, whose dot multiplies bf16's stored bits: float32, exact
+                    dsum = tl.dot(wt.to(tl.float32), xb.to(tl.float32), input_precision="ieee")
+                else:
+                    dsum = tl.dot(wt, xb)
+                xsum = tl.sum(xg, axis=0)
+                at = (gi * N + rows) * 2
+                scale = tl.load(sz + at, mask=row_ok, other=0.0).to(tl.float32)
+                zero = tl.load(sz + at + 1, mask=row_ok, other=0.0).to(tl.float32)
+                acc += scale * (tl.sum(dsum, axis=1) - 24.0 * xsum) + zero * xsum  # (16 + c) - 24 = c - 8
+        elif WORDS:
             WB: tl.constexpr = HALF // 4  # words of a row per block
             GW: tl.constexpr = GROUP // 8  # words of a row per group
             kw = kb // 4
