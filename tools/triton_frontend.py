@@ -11,7 +11,10 @@ arrays can be converted to Python scalars"): put numpy < 2.4 beside Triton on th
 Under TRITON_INTERPRET=1 the tests record each launch's specialization (the same binder the GPU path uses); at the
 end, a process without the interpreter compiles each distinct one, so code the interpreter runs but the compiler
 refuses (a variable whose shape changes across an `if`, say) fails on the CPU instead of on a GPU call. The
-interpreter patches triton.language in place, which is why the compiling is done in another process."""
+interpreter patches triton.language in place, which is why the compiling is done in another process.
+
+With TRITON_FRONTEND_FULL=1 each specialization goes through every stage to a cubin (Triton's own ptxas: no GPU or
+CUDA install needed), which also catches what the front end cannot (layouts, lowering, ptxas); ~2x slower."""
 
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ def compile_all(path: str) -> int:
 
 
 def write_sass(kernels: list, out_dir: str) -> None:
-    """Each compiled kernel's SASS (Triton's bundled nvdisasm) with its registers and spills, one file each."""
+    """Each compiled kernel's SASS (Triton's bundled nvdisasm) with its shared memory, one file each."""
     import subprocess
     import tempfile
 
