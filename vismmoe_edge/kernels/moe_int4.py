@@ -32,12 +32,14 @@ Compute found the gate_up kernel bound by issuing instructions (~9.8 a code), no
 DOT (configs the autotuner may pick where a group is 128 codes or more and the input is bf16, `dot_fit`): the
 products are summed by tensor cores. A step takes one group: each 32-bit word's nibbles i and i + 4 are moved to
 bits 3-6 of the word's two halves with one shift and put under bf16 16.0's exponent with one mask-and-or
-(`codes_bf16`: two exact bf16 values 16 + code), the eight such halves are joined back into the group's column
-order, and one dot multiplies the [rows, group] tile by the group's inputs in column 0 of 16 (a dot is at least 16
-wide; the other columns are zero). A group's sum of (code - 8) a is then the dot's minus 24 sum a, scaled once,
-as WORDS does; bf16 products are exact and the dot sums them in float32. Compiled for sm_90 on the CPU
-(tools/int4_sass.py) the step is 4.3 thread instructions a code at 128 rows and 4 warps (wgmma) against 10.1 for
-the byte loop the autotuner picked in run 17 and 5.4-7.1 for WORDS; not yet run on a GPU.
+(`codes_bf16`: two exact bf16 values 16 + code), the eight such halves are joined into a [rows, group] tile whose
+inner order keeps each word's pair side by side (position 8t + 2i + h holds column 8t + i + 4h, so a word's halves
+are the register pair a tensor core takes), and one dot multiplies it by the group's inputs, gathered in that
+order, in column 0 of 16 (a dot is at least 16 wide; the other columns are zero). A group's sum of (code - 8) a
+is then the dot's minus 24 sum a, scaled once, as WORDS does; bf16 products are exact and the dot sums them in
+float32. Compiled for sm_90 on the CPU (tools/int4_sass.py) the step is 3.8 thread instructions a code at 128 rows
+and 4 warps (wgmma; 4.3 with the group's columns in order) against 10.1 for the byte loop the autotuner picked in
+run 17 and 5.4-7.1 for WORDS; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -118,9 +120,9 @@ WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 2
                  (64, 256, 8), (16, 2048, 8))  # fmt: skip
 
 # (BLOCK_N, warps, pipeline stages) of the autotuner's DOT configs: Triton's SASS for sm_90, compiled on the CPU
-# (tools/int4_sass.py), has a group's step at 4.3 thread instructions a code for 128 rows and 4 warps (wgmma), 5.8
-# for 64 rows, 8.5 and more for 16-32 rows (the input's tile costs the same for any rows); the byte loop the
-# autotuner picked in run 17 10.1, WORDS 5.4-7.1
+# (tools/int4_sass.py), has a group's step at 3.8 thread instructions a code for 128 rows and 4 warps (wgmma), 5.4
+# for 64 rows, more for 16-32 rows (the input's tile costs the same for any rows); the byte loop the autotuner
+# picked in run 17 10.1, WORDS 5.4-7.1
 DOT_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (32, 2, 3))
 
 _compiled: Any = None
@@ -264,18 +266,22 @@ def _kernel():  # type: ignore[no-untyped-def]
             dot_words = (codes + rows[:, None].to(tl.int64) * kb).to(tl.pointer_type(tl.uint32))
             dt = tl.arange(0, DW)
             dk = tl.arange(0, GROUP)
+            dk_cols = 8 * (dk // 8) + (dk % 8) // 2 + 4 * (dk % 2)  # the column at each of the tile's positions
             column0 = (tl.arange(0, 16) == 0).to(tl.float32)[None, :]  # the input in column 0 of a dot's 16
             for gi in range(0, K // GROUP):
                 dword = tl.load(dot_words + gi * DW + dt[None, :], mask=row_ok[:, None], other=0)
-                # nibbles i and i + 4 of each word (columns 8t + i, 8t + i + 4) as two bf16s 16 + code: joined
-                # back so that the tile's columns are the group's in order, and the input is read contiguously
+                # nibbles i and i + 4 of each word (columns 8t + i, 8t + i + 4) as two bf16s 16 + code, kept side
+                # by side in the dot's inner order (position 8t + 2i + h holds column 8t + i + 4h): a word's 16-bit
+                # halves are the pair a tensor-core register takes, with no repacking (run 17's SASS: the group's
+                # order cost 85 PRMT a step); the input is gathered in the same order
                 n0, n4 = codes_bf16(dword, 0)
                 n1, n5 = codes_bf16(dword, 1)
                 n2, n6 = codes_bf16(dword, 2)
                 n3, n7 = codes_bf16(dword, 3)
                 i0, i1, i2, i3 = tl.join(n0, n4), tl.join(n1, n5), tl.join(n2, n6), tl.join(n3, n7)  # [.., h]
-                wt = tl.reshape(tl.join(tl.join(i0, i2), tl.join(i1, i3)), (BLOCK_N, GROUP))  # [.., t, h, s, u]
-                xg = input_at(v + e * stride_v, K, gi * GROUP + dk, SILU, ROUND)  # [GROUP] float32, bf16 values
+                wt = tl.permute(tl.join(tl.join(i0, i2), tl.join(i1, i3)), (0, 1, 3, 4, 2))  # [.., t, s, u, h]
+                wt = tl.reshape(wt, (BLOCK_N, GROUP))
+                xg = input_at(v + e * stride_v, K, gi * GROUP + dk_cols, SILU, ROUND)  # [GROUP] float32, bf16 values
                 xb = (xg[:, None] * column0).to(tl.bfloat16)  # exact: the input is bf16 (dot_fit)
                 if IEEE:  # the interpreter, whose dot multiplies bf16's stored bits: float32, exact
                     dsum = tl.dot(wt.to(tl.float32), xb.to(tl.float32), input_precision="ieee")
