@@ -284,8 +284,9 @@ def test_gated_gate_up_ends_in_the_activation_and_down_weighs_its_rows(  # type:
 @interpreter
 @pytest.mark.parametrize("block_n", [16, 64, 128])
 def test_dot_configs_sum_the_products_by_tensor_cores_exactly_enough(monkeypatch, block_n: int) -> None:  # type: ignore[no-untyped-def]
-    """DOT: two codes of a 32-bit word made bf16 16 + code under one exponent with a shift and a mask-or, a dot per
-    nibble position against the input in column 0 of 16, 24 sum a taken off per group. Forced for both GEMVs of a
+    """DOT: two codes of a 32-bit word made bf16 16 + code under one exponent with a shift and a mask-or, one dot a
+    group (each word's halves side by side in its inner order, the input gathered to match) against the input in
+    column 0 of 16, 24 sum a taken off per group. Forced for both GEMVs of a
     layer with bf16 inputs at g128 (gate_up ending in the activation: 3 groups; down: 1), against the dequantized
     weights and against the byte loop (the same bf16 activation, summed in another order); and for the down GEMV
     that computes silu(gate) * up from [gate | up] rounded to bf16, which dot_fit also admits."""
