@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +35,7 @@ def sass(kind: str, loop: str, rows: int, warps: int) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tools.triton_frontend import sass_of
     from vismmoe_edge.kernels import moe_int4
 
     fn = moe_int4._kernel()
@@ -52,11 +50,7 @@ def sass(kind: str, loop: str, rows: int, warps: int) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return sass_of(compiled)
 
 
 def main_loop(text: str) -> list[str]:

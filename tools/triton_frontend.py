@@ -80,7 +80,7 @@ def compile_all(path: str) -> int:
     target = GPUTarget("cuda", ARCH, 32)
     backend = make_backend(target)
     failures = total = 0
-    full: list = []  # (label, compiled kernel) where FULL
+    full: list = []  # (label, compiled kernel) where FULL and SASS_DIR
     with open(path, "rb") as f:
         launches = [pickle.loads(launch) for launch in pickle.load(f)]
     for module, name, line, signature, constexprs, attrs, options in launches:
@@ -96,7 +96,8 @@ def compile_all(path: str) -> int:
                 source = ASTSource(kernel, signature, values, attrs)
                 if FULL:  # every stage to a cubin, ptxas included (Triton's own copy: no GPU, no CUDA install)
                     compiled = triton.compile(source, target=target, options=dict(options.__dict__))
-                    full.append((f"{name} {values}", compiled))
+                    if SASS_DIR:
+                        full.append((f"{name} {values}", compiled))
                 else:
                     source.make_ir(
                         target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
@@ -111,23 +112,27 @@ def compile_all(path: str) -> int:
     return failures
 
 
-def write_sass(kernels: list, out_dir: str) -> None:
-    """Each compiled kernel's SASS (Triton's bundled nvdisasm) with its shared memory, one file each."""
+def sass_of(compiled) -> str:  # type: ignore[no-untyped-def]
+    """A compiled kernel's SASS, from its cubin by Triton's bundled nvdisasm (no CUDA install needed)."""
     import subprocess
     import tempfile
 
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def write_sass(kernels: list, out_dir: str) -> None:
+    """Each compiled kernel's SASS with its shared memory, one file each."""
     os.makedirs(out_dir, exist_ok=True)
     for i, (label, compiled) in enumerate(kernels):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True).stdout
         header = f"// {label}\n// shared memory {compiled.metadata.shared} bytes\n"
         with open(os.path.join(out_dir, f"kernel_{i:03d}.sass"), "w") as f:
-            f.write(header + sass)
+            f.write(header + sass_of(compiled))
     print(f"SASS of {len(kernels)} kernels in {out_dir}")
 
 
