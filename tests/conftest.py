@@ -10,7 +10,8 @@ import torch
 
 # Tests must not touch the user's cache: the demo model and sample image go to a temporary XDG cache.
 os.environ.setdefault("VISMMOE_EDGE_CACHE", str(Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / "vismmoe-test-cache"))
-torch.set_num_threads(2)
+# Two pytest-xdist workers share the two cores: one thread each, rather than four threads fighting for two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 if os.environ.get("VISMMOE_TEST_NO_CUDNN_SDPA") == "1":  # racecheck: cuDNN's flash SDPA reports hazards of its own
     torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -224,6 +224,10 @@ def test_dot_configs_only_for_bf16_inputs_and_groups_of_16_words() -> None:
     assert configs_fit(configs, {**fits, "v": torch.zeros(1)}, GROUP=128, SILU=True, ROUND=1) == configs
     assert configs_fit(configs, fits, GROUP=64) == [words, plain]  # a dot's inner size is 16 words at least
     assert configs_fit(configs, {**fits, "q_off": 2}, GROUP=128) == [plain]
+    # SPLIT parts share a row's groups evenly: 30B-A3B's gate_up has 16 groups of 128, its down 6
+    splits = [SimpleNamespace(kwargs={"BLOCK_N": 64, "DOT": True, "SPLIT": n}) for n in (1, 2, 3, 4, 6, 8)]
+    assert configs_fit(splits, fits, GROUP=128) == [splits[i] for i in (0, 1, 3, 5)]
+    assert configs_fit(splits, {**fits, "K": 768}, GROUP=128) == [splits[i] for i in (0, 1, 2, 4)]
 
 
 @interpreter
@@ -313,3 +317,38 @@ def test_dot_configs_sum_the_products_by_tensor_cores_exactly_enough(monkeypatch
     assert rel(rows, expert_rows(x, slots, weights, dense, F.silu)) < 2e-2  # bf16 inputs and activation
     assert rel(rows, bytes_rows) < 1e-5  # the same values up to the sums' order (9e-8 at this seed)
     assert rel(silu_rows, bytes_silu) < 1e-5
+
+
+@interpreter
+@pytest.mark.parametrize("split", [2, 4])
+def test_dot_split_between_programs_adds_the_parts_in_order(monkeypatch, split: int) -> None:  # type: ignore[no-untyped-def]
+    """SPLIT: a row block's groups shared by `split` programs, each storing its sums; the last to finish adds them
+    in part order and writes the output (gate_up ending in the activation, 4 groups; the weighted down, 2 groups a
+    row at split 2; split 4 leaves the down GEMV on one part, as dot_fit prunes it). The same values as one program
+    a block up to the sums' order, the same bits on a second launch, and every block's count back at zero."""
+    from vismmoe_edge.kernels import moe_int4
+    from vismmoe_edge.kernels.slot_matrix import record_matrix
+
+    spec, records, dense = make_records(512, 256, 128)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    slots, weights = torch.tensor([[2, 0, 5]]), torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.bfloat16)
+    gate_up, down = record_matrix(records, form, "gate_up_proj"), record_matrix(records, form, "down_proj")
+
+    def layer(split_gate_up: int, split_down: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dot = {"BLOCK_N": 64, "BLOCK_K": 128, "DOT": True}
+        monkeypatch.setattr(moe_int4, "blocks", lambda kk: {**dot, "SPLIT": split_gate_up})
+        a = moe_int4.gated_int4(gate_up, slots[0], x.expand(3, -1), torch.bfloat16)  # [3, I]
+        monkeypatch.setattr(moe_int4, "blocks", lambda kk: {**dot, "SPLIT": split_down})
+        return a, moe_int4.gemv_int4(down, slots[0], a, weights[0], weigh=True)  # [3, H]
+
+    one_a, one_out = layer(1, 1)
+    down_split = split if (256 // 128) % split == 0 else 1
+    a, out = layer(split, down_split)
+    assert rel(out, expert_rows(x, slots, weights, dense, F.silu)) < 2e-2  # bf16 inputs and activation
+    assert rel(a.float(), one_a.float()) <= 2**-8  # the activation rounded to bf16: at most a step apart
+    assert rel(out, one_out) < 1e-5
+    again_a, again = layer(split, down_split)
+    assert torch.equal(again_a, a) and torch.equal(again, out)  # the parts are added in a fixed order
+    for n in (gate_up.n, down.n):
+        assert not moe_int4.split_scratch(torch.device("cpu"), 3, n)[1].any()  # every count reset

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUP = 128
 SIGNATURE = {"w": "*u8", "slot_ids": "*i64", "v": "*bf16", "mix": "*bf16", "out": "*fp32", "N": "i32", "K": "i32",
-             "stride_v": "i32", "stride_slot": "i32", "q_off": "i32", "s_off": "i32"}  # fmt: skip
-ALIGNED = (0, 1, 2, 3, 4, 6, 8, 9, 10)  # pointers, K, the record's strides and offsets: multiples of 16
+             "stride_v": "i32", "stride_slot": "i32", "q_off": "i32", "s_off": "i32", "partials": "*fp32",
+             "counters": "*i32"}  # fmt: skip
+ALIGNED = (0, 1, 2, 3, 4, 6, 8, 9, 10, 11, 12)  # pointers, K, the record's strides and offsets: multiples of 16
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -45,7 +46,7 @@ def sass(kind: str, loop: str, rows: int, warps: int) -> str:
     block_k = GROUP if loop == "dot" else 2048 if gated else 1024
     constexprs = {"GROUP": GROUP, "SILU": False, "GATED": gated, "WEIGH": not gated, "ROUND": 1 if gated else 0,
                   "BLOCK_N": rows, "BLOCK_K": block_k, "ACC2D": False, "WORDS": loop == "words",
-                  "DOT": loop == "dot", "IEEE": False}  # fmt: skip
+                  "DOT": loop == "dot", "SPLIT": 1, "IEEE": False}  # fmt: skip
     signature = {**SIGNATURE, "out": "*bf16" if gated else "*fp32", **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),

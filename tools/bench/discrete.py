@@ -597,6 +597,28 @@ def main() -> None:
     results: list[dict] = []
     profiles: list[dict] = []
     engines: dict[str, object] = {}
+
+    def summary(complete: bool) -> dict:
+        """The call's JSON; written after each routing's rows too, so that a call cut off by its time limit
+        (run 18's int4 rows) still leaves the trials it finished. The HBM bound is measured at the end only: its
+        4 GiB of copies may not fit beside the engines."""
+        out = {
+            "machine": machine,
+            "hbm_bound": hbm_bound(info) if DEVICE == "cuda" and complete else None,
+            "date": time.strftime("%Y-%m-%d"),
+            "pinned_gb_s": bandwidth / 1e9,
+            "gpu_gib": args.gpu_gib,
+            "expert_budget_bytes": expert_budget,
+            "layers": args.layers,
+            "torch": torch.__version__,
+            "results": results,
+            "profiles": profiles,
+            "complete": complete,
+        }
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        return out
+
     if not args.baselines_only:
         if wanted & {"all-resident", "device-resident", "device-resident-compiled", "device-resident-compiled-serial",
                      "device-resident-compiled-cublas", "device-resident-compiled-o-cublas",
@@ -680,6 +702,7 @@ def main() -> None:
                     row["bus_gb_per_token"] = bus_gb
                     row["bus_bound_tokens_per_s"] = bandwidth / (bus_gb * 1e9)
             results += rows
+            summary(complete=False)
             ceiling = next((r for r in rows if r["strategy"] == "all-resident"), None)
             if ceiling is not None and trials.get("popularity"):
                 ours = trials["popularity"][0]
@@ -730,21 +753,7 @@ def main() -> None:
     for name in [] if args.skip_baselines else baselines:
         results.append(subprocess_worker(args, name))
         print(results[-1], flush=True)
-    summary = {
-        "machine": machine,
-        "hbm_bound": hbm_bound(info) if DEVICE == "cuda" else None,
-        "date": time.strftime("%Y-%m-%d"),
-        "pinned_gb_s": bandwidth / 1e9,
-        "gpu_gib": args.gpu_gib,
-        "expert_budget_bytes": expert_budget,
-        "layers": args.layers,
-        "torch": torch.__version__,
-        "results": results,
-        "profiles": profiles,
-    }
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary(complete=True), indent=1))
 
 
 if __name__ == "__main__":

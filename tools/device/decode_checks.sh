@@ -153,12 +153,12 @@ bench|bench-int4)
     timeout "$(upto $((10 + BF16_RESERVE + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
         --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay \
         "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
-        | grep -v "^ *[\"{}\[]" | tail -40
+        | tee "$OUT/discrete-$MODE.log" | grep -v '^ *[]["{}0-9-]' | tail -40
     if [ "$MODE" = bench-int4 ]; then
         echo "== same call: bf16 every expert resident (device path, compiled)"
         timeout "$(upto $((5 + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 \
             --new-tokens 16 --repeats 2 --strategies device-resident --routings sampled --skip-baselines \
-            --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
+            --compile-device-rows --json "$OUT/discrete-bench-int4-bf16.json" 2>&1 | grep -v '^ *[]["{}0-9-]' | tail -12
     fi
     # both of its modes: cuDNN SDPA off was 4% faster in run 16, on 2% faster in run 17: the faster one is the
     # baseline a ratio names

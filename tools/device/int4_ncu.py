@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, w, v, flags, want, cfg in cases:
             out = torch.empty_like(want)
             call_args, constexprs = kernel_call(kind, w, slot_ids, v, mix, out, flags)
-            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]))
+            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]), cfg.kwargs.get("SPLIT", 1))
 
             def launch(fn=tuned.fn, grid=grid, a=call_args, c=constexprs, cfg=cfg):  # type: ignore[no-untyped-def]
                 return fn[grid](*a, **c, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

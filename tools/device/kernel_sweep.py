@@ -127,24 +127,33 @@ def kernel_call(kind: str, w: Any, slot_ids: torch.Tensor, v: torch.Tensor, mix:
                 flags: dict) -> tuple[tuple, dict]:  # fmt: skip
     """The positional arguments and constexprs of one case's kernel, as moe_int4 / moe_decode launch it."""
     if kind == "int4":
-        args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off)
+        from vismmoe_edge.kernels import moe_int4
+
+        scratch = moe_int4.split_scratch(w.base.device, slot_ids.shape[0], w.n)  # (SPLIT configs' partial sums)
+        args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, *scratch)
         return args, {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, **flags, "GROUP": w.group}
     args = (w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.stride_row, w.q_off, w.s_off)
     return args, {"SILU": False, "ROUND": 0, **flags, "INT8": w.int8}
 
 
 def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
-    """Each autotune config of `kind`'s GEMV on each of kernel_cases: cold microseconds, sorted."""
+    """Each autotune config of `kind`'s GEMV on each of kernel_cases (int4: the DOT configs too, which the
+    autotuner takes only with VISMMOE_INT4_DOT=1): cold microseconds, sorted."""
+    from vismmoe_edge.kernels import moe_int4
+
     tuned, cases, slot_ids, mix = kernel_cases(kind)
+    configs = list(tuned.configs)
+    if kind == "int4" and not any(c.kwargs.get("DOT") for c in configs):
+        configs += moe_int4.dot_configs()
     result: dict = {}
     for name, w, v, flags, want, picked in cases:
         out = torch.empty_like(want)
         args, common = kernel_call(kind, w, slot_ids, v, mix, out, flags)
         bound = TOP_K * matrix_bytes(w, kind) / hbm * 1e6
         rows = []
-        for cfg in tuned.configs:
-            label = "/".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f"/w{cfg.num_warps}"
-            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]))
+        for cfg in configs:
+            label = "/".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f"/w{cfg.num_warps}/s{cfg.num_stages}"
+            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]), cfg.kwargs.get("SPLIT", 1))
 
             def launch(cfg=cfg, grid=grid, args=args, common=common) -> None:  # type: ignore[no-untyped-def]
                 tuned.fn[grid](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -156,14 +165,17 @@ def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
             except Exception as e:  # noqa: BLE001 - a config that does not compile here: recorded, the rest run
                 rows.append({"config": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        best_bytes = next((r for r in timed if "WORDS=True" not in r["config"]), None)
+        best_bytes = next((r for r in timed if "WORDS=True" not in r["config"] and "DOT=True" not in r["config"]), None)
         best_words = next((r for r in timed if "WORDS=True" in r["config"]), None)
+        best_dot = next((r for r in timed if "DOT=True" in r["config"]), None)
         result[name] = {
             "byte_bound_us": bound,
             "autotuner_pick": str(picked),
             "fastest": timed[:6],
             "best_reading_bytes": best_bytes,
             "best_reading_words": best_words,
+            "best_dot": best_dot,
+            "every_config": timed,
             "errors": [r for r in rows if "error" in r],
             "all_equal": all(r.get("equal_to_pick", True) for r in rows),
         }
@@ -329,9 +341,9 @@ def int4_variants(hbm: float, flush: torch.Tensor) -> dict:
             grid = (TOP_K, -(-w.n // bn))
             row: dict = {"config": f"{bn}x{bk}/w{warps}"}
             shipped = partial(tuned.fn[grid], w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot,
-                              w.q_off, w.s_off, GROUP=w.group, SILU=silu, GATED=False, WEIGH=silu,
-                              ROUND=1 if silu else 0, BLOCK_N=bn,
-                              BLOCK_K=bk, num_warps=warps)  # fmt: skip
+                              w.q_off, w.s_off, *moe_int4.split_scratch(w.base.device, TOP_K, w.n), GROUP=w.group,
+                              SILU=silu, GATED=False, WEIGH=silu, ROUND=1 if silu else 0, BLOCK_N=bn, BLOCK_K=bk,
+                              num_warps=warps)  # fmt: skip
             row["shipped_us"] = cold_us(shipped, flush)
             for label, use_input in (("split_input", True), ("codes_only", False)):
                 variant = partial(_variant[grid], w.base, slot_ids, a_even, a_odd, out, w.n, w.k, w.stride_slot,

@@ -29,17 +29,26 @@ up rows and writes silu(gate) * up, so the down GEMV loads its input as it is in
 down GEMV alone 11.0 us against 12.6; the int4 GEMVs of a token 19.2 us a layer against 23.1, int4 1.16x bf16. Nsight
 Compute found the gate_up kernel bound by issuing instructions (~9.8 a code), not by its bytes.
 
-DOT (configs the autotuner may pick where a group is 128 codes or more and the input is bf16, `dot_fit`): the
-products are summed by tensor cores. A step takes one group: each 32-bit word's nibbles i and i + 4 are moved to
-bits 3-6 of the word's two halves with one shift and put under bf16 16.0's exponent with one mask-and-or
-(`codes_bf16`: two exact bf16 values 16 + code), the eight such halves are joined into a [rows, group] tile whose
-inner order keeps each word's pair side by side (position 8t + 2i + h holds column 8t + i + 4h, so a word's halves
-are the register pair a tensor core takes), and one dot multiplies it by the group's inputs, gathered in that
-order, in column 0 of 16 (a dot is at least 16 wide; the other columns are zero). A group's sum of (code - 8) a
-is then the dot's minus 24 sum a, scaled once, as WORDS does; bf16 products are exact and the dot sums them in
+DOT (configs the autotuner takes only with VISMMOE_INT4_DOT=1, and then where a group is 128 codes or more and the
+input is bf16, `dot_fit`): the products are summed by tensor cores. A step takes one group: each 32-bit word's
+nibbles i and i + 4 are moved to bits 3-6 of the word's two halves with one shift and put under bf16 16.0's exponent
+with one mask-and-or (`codes_bf16`: two exact bf16 values 16 + code), the eight such halves are joined into a [rows,
+group] tile whose inner order keeps each word's pair side by side (position 8t + 2i + h holds column 8t + i + 4h, so
+a word's halves are the register pair a tensor core takes), and one dot multiplies it by the group's inputs, gathered
+in that order, in column 0 of 16 (a dot is at least 16 wide; the other columns are zero). A group's sum of (code - 8)
+a is then the dot's minus 24 sum a, scaled once, as WORDS does; bf16 products are exact and the dot sums them in
 float32. Compiled for sm_90 on the CPU (tools/int4_sass.py) the step is 3.8 thread instructions a code at 128 rows
-and 4 warps (wgmma; 4.3 with the group's columns in order) against 10.1 for the byte loop the autotuner picked in
-run 17 and 5.4-7.1 for WORDS; not yet run on a GPU.
+and 4 warps (wgmma; 4.3 with the group's columns in order) against 10.1 for the byte loop the autotuner picked in run
+17 and 5.4-7.1 for WORDS. Run 18 (an H100, docs/benchmarks.md) measured it slower: alone with L2 evicted every DOT
+config took longer than the six fastest WORDS and byte configs (> 17.5 us for gate_up ending in the activation, WORDS
+14.1), and Nsight Compute timed the picks at 27.5 us (32 rows, 2 warps) and 27.7 us (128 rows, 4 warps; 2.4x fewer
+instructions than the byte loop, 3.19 M) with one or two warps a scheduler: each warp issues one instruction every ~5
+cycles and has ~8 K of them, so the loop waits on its own dependency chains, not on bytes or issue slots. So DOT
+configs now take SPLIT: a row block's groups are shared by SPLIT programs, each storing its float32 sums
+(`split_scratch`) and counting itself with an atomic add; the last adds the parts in part order (the same bits every
+launch), applies the activation or routing weight and resets the count. Not yet run on a GPU, so DOT stays off by
+default (run 18's int4 token rows, tuning the DOT configs too, did not finish in their time; tuning's share not
+measured).
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DOT_VARIABLE = "VISMMOE_INT4_DOT"  # "1": the autotuner may pick DOT configs too (the module's docstring)
 ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the inner activation's rounding; float32 keeps it (0)
 
 
@@ -93,17 +103,36 @@ def _launch(
     v = v if v.stride(-1) == 1 else v.contiguous()  # an input shared by the k experts keeps stride 0: no copy
     out = torch.empty(k, width, dtype=dtype, device=w.base.device)
     flags = {"SILU": False, "GATED": False, "WEIGH": False, "ROUND": 0, "IEEE": INTERPRET, **flags}
+    partials, counters = split_scratch(w.base.device, k, w.n)
     _kernel()[grid(k, w.n)](
-        w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, GROUP=w.group,
-        **flags, **blocks(w.k),
+        w.base, slot_ids, v, mix, out, w.n, w.k, v.stride(0), w.stride_slot, w.q_off, w.s_off, partials, counters,
+        GROUP=w.group, **flags, **blocks(w.k),
     )  # fmt: skip
     return out
 
 
+_scratch: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_scratch(device: torch.device, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where SPLIT programs leave their partial sums ([k, blocks, SPLIT, BLOCK_N] float32, at most k * (n + 256)
+    * MAX_SPLIT) and count themselves (one int32 a row block, zero between launches: the last program of a block
+    resets it). One pair per device and shape, made on the first call, before any graph capture; launches on one
+    stream are ordered, and a process decodes a token at a time, so they never overlap."""
+    key = (device, k, n)
+    if key not in _scratch:
+        _scratch[key] = (
+            torch.empty(k * (n + 256) * MAX_SPLIT, dtype=torch.float32, device=device),
+            torch.zeros(k * -(-n // 8), dtype=torch.int32, device=device),
+        )
+    return _scratch[key]
+
+
 def grid(k: int, n: int) -> Callable[[dict], tuple[int, int]]:
-    """One program per (expert, block of rows): the grid of every slot GEMV here and in moe_decode.py (a GATED
-    program's block is half gate rows, half up rows: as many programs as over all 2I rows)."""
-    return lambda meta: (k, -(-n // meta["BLOCK_N"]))
+    """One program per (expert, block of rows, SPLIT part of the row's groups): the grid of every slot GEMV here and
+    in moe_decode.py (a GATED program's block is half gate rows, half up rows: as many programs as over all 2I
+    rows; SPLIT is 1 but in DOT configs)."""
+    return lambda meta: (k, -(-n // meta["BLOCK_N"]), meta.get("SPLIT", 1))
 
 
 def blocks(kk: int) -> dict[str, int]:
@@ -119,17 +148,27 @@ def blocks(kk: int) -> dict[str, int]:
 WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 256, 4), (32, 512, 8),
                  (64, 256, 8), (16, 2048, 8))  # fmt: skip
 
-# (BLOCK_N, warps, pipeline stages) of the autotuner's DOT configs: Triton's SASS for sm_90, compiled on the CPU
-# (tools/int4_sass.py), has a group's step at 3.8 thread instructions a code for 128 rows and 4 warps (wgmma), 5.4
-# for 64 rows, more for 16-32 rows (the input's tile costs the same for any rows); the byte loop the autotuner
-# picked in run 17 10.1, WORDS 5.4-7.1
-DOT_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (32, 2, 3))
+# (BLOCK_N, warps, pipeline stages, SPLIT) of the DOT configs (the autotuner's with VISMMOE_INT4_DOT=1). Triton's
+# SASS for sm_90 (tools/int4_sass.py) has a group's step at 3.8 thread instructions a code for 128 rows and 4 warps
+# (wgmma), 5.4 for 64 rows, more for 16-32 rows (the input's tile costs the same for any rows). SPLIT programs
+# share a row block's groups: run 18 timed one program a block at twice WORDS's time, one warp a scheduler (the
+# module's docstring); a SPLIT that does not divide a matrix's groups is pruned (dot_fit)
+DOT_CONFIGS = tuple((n, 4, 3, split) for n in (64, 128) for split in (1, 2, 3, 4, 6, 8)) + ((32, 2, 3, 1),)
+MAX_SPLIT = 8
 
 _compiled: Any = None
 centered: Any = None  # triton_codes.centered, bound by _kernel() (which imports Triton)
 input_at: Any = None  # the GEMV's input at some columns, bound by _kernel()
 silu_mul: Any = None  # silu(gate) * up, rounded: bound by _kernel()
 codes_bf16: Any = None  # two nibbles of a word of codes as bf16 16 + code: bound by _kernel()
+
+
+def dot_configs() -> list:
+    """The autotune configs of DOT, the products summed by tensor cores (a group a step, so BLOCK_K is unused)."""
+    import triton
+
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": 128, "DOT": True, "SPLIT": split}, num_warps=w, num_stages=st)
+            for n, w, st, split in DOT_CONFIGS]  # fmt: skip
 
 
 def words_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
@@ -149,11 +188,12 @@ def words_aligned(named_args: dict, group: int) -> bool:
 def dot_fit(configs: list, named_args: dict, **kwargs: Any) -> list:
     """DOT configs only where a group is at least 16 words (a dot's inner size is at least 16), rows are whole
     words, and the input is bf16 exactly (a bf16 tensor, or the SiLU input rounded to bf16): the tensor cores
-    multiply bf16 values."""
+    multiply bf16 values; and only those whose SPLIT divides a row's groups."""
     group = kwargs.get("GROUP", 0)
     exact = named_args["v"].dtype == torch.bfloat16 or (kwargs.get("SILU", False) and kwargs.get("ROUND", 0) == 1)
     if group >= 128 and words_aligned(named_args, group) and exact:
-        return configs
+        groups = named_args["K"] // group
+        return [c for c in configs if groups % c.kwargs.get("SPLIT", 1) == 0]
     return [c for c in configs if not c.kwargs.get("DOT", False)]
 
 
@@ -228,20 +268,21 @@ def _kernel():  # type: ignore[no-untyped-def]
         # codes read as words (the module's docstring)
         configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "WORDS": True}, num_warps=w)
                     for n, k, w in WORDS_CONFIGS]  # fmt: skip
-        # the products summed by tensor cores (DOT: a group a step, so BLOCK_K is unused)
-        configs += [triton.Config({"BLOCK_N": n, "BLOCK_K": 128, "DOT": True}, num_warps=w, num_stages=st)
-                    for n, w, st in DOT_CONFIGS]  # fmt: skip
+        if os.environ.get(DOT_VARIABLE) == "1":
+            configs += dot_configs()
         return triton.autotune(configs=configs, key=["N", "K", "GROUP", "SILU", "GATED"],
                                prune_configs_by={"early_config_prune": configs_fit})(fn)  # fmt: skip
 
     # fmt: off
     @tuned
     @triton.jit
-    def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, GROUP: tl.constexpr,
-                          SILU: tl.constexpr, GATED: tl.constexpr, WEIGH: tl.constexpr, ROUND: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC2D: tl.constexpr = False,
-                          WORDS: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
+    def _gemv_int4_kernel(w, slot_ids, v, mix, out, N, K, stride_v, stride_slot, q_off, s_off, partials, counters,
+                          GROUP: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr, WEIGH: tl.constexpr,
+                          ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ACC2D: tl.constexpr = False, WORDS: tl.constexpr = False, DOT: tl.constexpr = False,
+                          SPLIT: tl.constexpr = 1, IEEE: tl.constexpr = False):
         # fmt: on
+        tl.static_assert(SPLIT == 1 or DOT, "only the DOT loop splits a row's groups")
         HALF: tl.constexpr = BLOCK_K // 2  # bytes of a row per block
         GB: tl.constexpr = GROUP // 2  # bytes of a row per group
         e = tl.program_id(0)
@@ -268,7 +309,9 @@ def _kernel():  # type: ignore[no-untyped-def]
             dk = tl.arange(0, GROUP)
             dk_cols = 8 * (dk // 8) + (dk % 8) // 2 + 4 * (dk % 2)  # the column at each of the tile's positions
             column0 = (tl.arange(0, 16) == 0).to(tl.float32)[None, :]  # the input in column 0 of a dot's 16
-            for gi in range(0, K // GROUP):
+            per_part = (K // GROUP) // SPLIT  # this program's share of the groups (dot_fit: SPLIT divides them)
+            first = tl.program_id(2) * per_part
+            for gi in range(first, first + per_part):
                 dword = tl.load(dot_words + gi * DW + dt[None, :], mask=row_ok[:, None], other=0)
                 # nibbles i and i + 4 of each word (columns 8t + i, 8t + i + 4) as two bf16s 16 + code, kept side
                 # by side in the dot's inner order (position 8t + 2i + h holds column 8t + i + 4h): a word's 16-bit
@@ -363,14 +406,27 @@ def _kernel():  # type: ignore[no-untyped-def]
                     acc += tl.sum(per_group * scale + a_group[None, :] * zero, axis=1)
         if ACC2D:  # (zero where the blocks span several groups, which reduce per block)
             acc += tl.sum(acc2, axis=1)
-        if GATED:  # acc holds the gate rows, then the up rows: [2, R] -> [R, 2] -> gate, up
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2)), (1, 0)))
-            outs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out + e * (N // 2) + outs, silu_mul(gate, up, ROUND), mask=outs < N // 2)
-        else:
-            if WEIGH:
-                acc = acc * tl.load(mix + e).to(tl.float32)
-            tl.store(out + e * N + rows, acc, mask=row_ok)
+        last = True
+        if SPLIT > 1:  # each part stores its sums; the last part of the block to finish adds them, in part order
+            block = e * tl.num_programs(1) + tl.program_id(1)
+            lane = tl.arange(0, BLOCK_N)
+            tl.store(partials + (block * SPLIT + tl.program_id(2)) * BLOCK_N + lane, acc)
+            tl.debug_barrier()  # every thread's sums stored before the count that publishes them (release)
+            last = tl.atomic_add(counters + block, 1, sem="acq_rel") == SPLIT - 1
+            if last:
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for part in tl.static_range(SPLIT):  # a fixed order: the same sums whichever part came last
+                    acc += tl.load(partials + (block * SPLIT + part) * BLOCK_N + lane, volatile=True)
+                tl.atomic_xchg(counters + block, 0)  # ready for the next launch
+        if last:
+            if GATED:  # acc holds the gate rows, then the up rows: [2, R] -> [R, 2] -> gate, up
+                gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2)), (1, 0)))
+                outs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(out + e * (N // 2) + outs, silu_mul(gate, up, ROUND), mask=outs < N // 2)
+            else:
+                if WEIGH:
+                    acc = acc * tl.load(mix + e).to(tl.float32)
+                tl.store(out + e * N + rows, acc, mask=row_ok)
 
     _compiled = _gemv_int4_kernel
     return _compiled
