@@ -151,9 +151,10 @@ WORDS_CONFIGS = ((8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (32, 2
 # (BLOCK_N, warps, pipeline stages, SPLIT) of the DOT configs (the autotuner's with VISMMOE_INT4_DOT=1). Triton's
 # SASS for sm_90 (tools/int4_sass.py) has a group's step at 3.8 thread instructions a code for 128 rows and 4 warps
 # (wgmma), 5.4 for 64 rows, more for 16-32 rows (the input's tile costs the same for any rows). SPLIT programs
-# share a row block's groups: run 18 timed one program a block at twice WORDS's time, one warp a scheduler (the
-# module's docstring); a SPLIT that does not divide a matrix's groups is pruned (dot_fit)
-DOT_CONFIGS = tuple((n, 4, 3, split) for n in (64, 128) for split in (1, 2, 3, 4, 6, 8)) + ((32, 2, 3, 1),)
+# share a row block's groups: run 18 timed one program a block (SPLIT 1, no longer tried) at twice WORDS's time,
+# one warp a scheduler (the module's docstring); a SPLIT that does not divide a matrix's groups is pruned (dot_fit),
+# which leaves each 30B-A3B kernel six configs to tune
+DOT_CONFIGS = tuple((n, 4, 3, split) for n in (64, 128) for split in (2, 3, 4, 6, 8))
 MAX_SPLIT = 8
 
 _compiled: Any = None
