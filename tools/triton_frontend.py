@@ -27,8 +27,7 @@ ARCH = 90  # sm_90: the H100 and H200
 # constexprs a kernel takes as the interpreter needs and the GPU otherwise (grouped_int4.py, decode_attention.py):
 # each launch is also compiled with the GPU's values
 GPU_CONSTEXPRS = {"NATIVE_CAST": True, "IEEE": False}
-# TRITON_FRONTEND_FULL=1: every stage to a cubin with Triton's bundled ptxas (layouts, lowering and ptxas errors the
-# front end alone cannot see); TRITON_FRONTEND_SASS=DIR also writes each kernel's SASS there
+# TRITON_FRONTEND_FULL=1 (the module's docstring); TRITON_FRONTEND_SASS=DIR also writes each kernel's SASS there
 FULL = os.environ.get("TRITON_FRONTEND_FULL") == "1"
 SASS_DIR = os.environ.get("TRITON_FRONTEND_SASS", "")
 

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_sweep import TOP_K, kernel_call, kernel_cases  # noqa: E402
 
+from vismmoe_edge.kernels import moe_int4  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, w, v, flags, want, cfg in cases:
             out = torch.empty_like(want)
             call_args, constexprs = kernel_call(kind, w, slot_ids, v, mix, out, flags)
-            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]), cfg.kwargs.get("SPLIT", 1))
+            grid = moe_int4.grid(TOP_K, w.n)(cfg.kwargs)  # the grid of every slot GEMV
 
             def launch(fn=tuned.fn, grid=grid, a=call_args, c=constexprs, cfg=cfg):  # type: ignore[no-untyped-def]
                 return fn[grid](*a, **c, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

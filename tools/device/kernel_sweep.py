@@ -157,7 +157,7 @@ def expert_configs(kind: str, hbm: float, flush: torch.Tensor) -> dict:
             mine = moe_int4.configs_fit(configs, named, **common)
         for cfg in mine:
             label = "/".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f"/w{cfg.num_warps}/s{cfg.num_stages}"
-            grid = (TOP_K, -(-w.n // cfg.kwargs["BLOCK_N"]), cfg.kwargs.get("SPLIT", 1))
+            grid = moe_int4.grid(TOP_K, w.n)(cfg.kwargs)  # the grid of every slot GEMV (bf16 and int8 too)
 
             def launch(cfg=cfg, grid=grid, args=args, common=common) -> None:  # type: ignore[no-untyped-def]
                 tuned.fn[grid](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
