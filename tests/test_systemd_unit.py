@@ -87,6 +87,17 @@ def test_every_exec_start_variable_is_in_the_env_file() -> None:
     assert used and used <= defined, used - defined
 
 
+def test_compile_caches_survive_a_restart() -> None:
+    """PrivateTmp= empties /tmp at every start, where torch.compile keeps its cache by default: the env file puts
+    torch.compile's and Triton's caches under the unit's CacheDirectory=, the one writable place kept across starts."""
+    unit, env = service.render_unit(), service.render_env()
+    assert re.search(r"^PrivateTmp=yes$", unit, re.MULTILINE)
+    cache_root = "/var/cache/" + re.search(r"^CacheDirectory=(\S+)$", unit, re.MULTILINE)[1]
+    settings = dict(re.findall(r"^([A-Z_]+)=(.*)$", env, re.MULTILINE))
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert Path(settings[variable]).is_relative_to(cache_root), (variable, settings[variable])
+
+
 @needs_systemd
 def test_shipped_unit_verifies(tmp_path: Path) -> None:
     real = service.find_executable()[0]  # ExecStart must name an existing executable

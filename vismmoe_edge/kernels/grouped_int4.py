@@ -103,5 +103,5 @@ def _kernel() -> Any:
 
         configs = [triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
                    for n in (64, 128) for warps in (4, 8) for stages in (3, 4)]  # fmt: skip
-        _tuned = triton.autotune(configs=configs, key=["N", "K", "GROUP"])(_grouped_int4_kernel)
+        _tuned = triton.autotune(configs=configs, key=["N", "K", "GROUP"], cache_results=True)(_grouped_int4_kernel)
     return _tuned

@@ -236,7 +236,9 @@ def _kernels():  # type: ignore[no-untyped-def]
     from vismmoe_edge.kernels.triton_codes import signed_byte
 
     def tuned(fn):  # type: ignore[no-untyped-def]
-        """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture."""
+        """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture. The
+        picks are kept in Triton's cache directory (`cache_results`): a later process on the same GPU (a CLI run, a
+        daemon's restart) reads them instead of timing every config again."""
         if INTERPRET:
             return fn
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ACC2D": acc2d}, num_warps=w)
@@ -250,7 +252,7 @@ def _kernels():  # type: ignore[no-untyped-def]
                                           # products kept per column, reduced across the row once at the end
                                           (8, 256, 4, True), (16, 256, 4, True), (32, 128, 4, True),
                                           (8, 512, 8, True))]  # fmt: skip
-        return triton.autotune(configs=configs, key=["N", "K", "INT8"])(fn)
+        return triton.autotune(configs=configs, key=["N", "K", "INT8"], cache_results=True)(fn)
 
     # fmt: off
     @tuned

@@ -271,7 +271,7 @@ def _kernel():  # type: ignore[no-untyped-def]
                     for n, k, w in WORDS_CONFIGS]  # fmt: skip
         if os.environ.get(DOT_VARIABLE) == "1":
             configs += dot_configs()
-        return triton.autotune(configs=configs, key=["N", "K", "GROUP", "SILU", "GATED"],
+        return triton.autotune(configs=configs, key=["N", "K", "GROUP", "SILU", "GATED"], cache_results=True,
                                prune_configs_by={"early_config_prune": configs_fit})(fn)  # fmt: skip
 
     # fmt: off

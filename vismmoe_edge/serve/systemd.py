@@ -115,6 +115,13 @@ EXTRA_ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("VISMMOE_EDGE_CACHE", str(CACHE_DIR), "The demo model and sample image (CacheDirectory= makes it writable)."),
     ("HF_HOME", str(CACHE_DIR / "huggingface"), "transformers' caches; HOME-relative defaults are read-only here."),
     ("HF_HUB_OFFLINE", "1", "Robots are often offline: never wait on the Hub; the model is local."),
+    (
+        "TORCHINDUCTOR_CACHE_DIR",
+        str(CACHE_DIR / "torchinductor"),
+        "torch.compile's graphs and kernels (the decode layers): its default is under /tmp, which PrivateTmp=\n"
+        "empties at every start, so each restart would compile them again before READY.",
+    ),
+    ("TRITON_CACHE_DIR", str(CACHE_DIR / "triton"), "Triton's kernels and autotuned picks, kept across restarts."),
     ("PYTHONUNBUFFERED", "1", "Log lines reach the journal as they are written."),
     ("PYTHONFAULTHANDLER", "1", "A watchdog SIGABRT dumps every thread's Python stack to the journal."),
     (
