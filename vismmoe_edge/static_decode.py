@@ -590,9 +590,14 @@ class StaticDecoder:
                 self.routed.synchronize()  # the host decides what to fetch from this layer's routing
             b = self.buffers[i]
             slots, mix = experts.prepare_pool_step(self.normed.view(1, -1), b.host_index, b.host_weights)
-            b.host_slots.copy_(slots)
             b.host_mix.copy_(mix)
-            self._run(f"experts.{i}", self._experts, i)
+            if slots is None:  # some experts still being read: eagerly, each as it lands (experts/arrival.py)
+                b.mix.copy_(b.host_mix, non_blocking=True)
+                out = experts.arriving_step(self.normed.view(1, -1), b.mix)
+                self.hidden.add_(out.view_as(self.hidden))
+            else:
+                b.host_slots.copy_(slots)
+                self._run(f"experts.{i}", self._experts, i)
             experts.finish_pool_step()
         self._run("tail", self._tail)
         self.host_length += 1

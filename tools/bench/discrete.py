@@ -33,6 +33,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -238,11 +240,31 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
     )
 
 
+@contextmanager
+def patched(owner: object, name: str, value: object) -> Iterator[None]:
+    """`owner.name` set to `value` for the block's length."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
               ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN,
-              gemv: str = DEFAULT_PROJECTIONS) -> dict:  # fmt: skip
+              gemv: str = DEFAULT_PROJECTIONS, arrival: bool = True) -> dict:  # fmt: skip
+    """`arrival` False: a layer waits for every expert's read before computing any (as before
+    experts/arrival.py), for the row against it in the same call."""
+    from vismmoe_edge.experts.compute import OffloadedExperts
     from vismmoe_edge.sampling import SamplingConfig
+
+    if not arrival:
+        with patched(OffloadedExperts, "_arrival_waves", lambda self, order: None):
+            return run_trial(engine, image, new_tokens, replay, seed, policy=policy, graphs=graphs,
+                             device_decode=device_decode, mapped=mapped, compiled=compiled, ahead=ahead,
+                             promotions=promotions, gemv=gemv)  # fmt: skip
 
     pipeline = engine.experts.pipeline
     pipeline.policy = policy
@@ -556,6 +578,7 @@ def main() -> None:
                     "device-mapped-promotion-8, "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, unified-slots-next-layer-gate (prefetching by the next layer's router), "
+                    "unified-slots-wait-all (each layer waits for its last read before computing), "
                     "unified-registered, "
                     "device-unified-slots, hf-static, hf-static-no-cudnn, "
                     "hf-resident, accelerate (default: all but the unified tiers)")
@@ -673,6 +696,8 @@ def main() -> None:
             # the engine's unified-slots row with the next layer's router prefetching that layer's likely experts
             # into free slots while this layer computes (a fill then overlaps the kernels' reads)
             configs.append(("unified-slots", "unified-slots-next-layer-gate", {}))
+            # the same tier with every layer waiting for its last read before computing (before experts/arrival.py)
+            configs.append(("unified-slots", "unified-slots-wait-all", {"arrival": False}))
             configs += [(name, f"device-{name}", {"device_decode": "on"}) for name in UNIFIED]
             configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}

@@ -171,18 +171,20 @@ unified)
     # `unified-slots` forced, alone, against its bus bound: its slots are in pinned host memory, filled from the
     # checkpoint's file with the pages dropped after (as on a Jetson), so on a lease's virtual disk the row
     # measures the disk (run 6). Here the checkpoint lies in /dev/shm (RAM), so a fill costs a memory copy and
-    # the bus is what is left to bound it; 24 layers (30 GB) fit where 48 (61 GB) may not. Two rows: the engine's
+    # the bus is what is left to bound it; 24 layers (30 GB) fit where 48 (61 GB) may not. Three rows: the engine's
     # own choice at this budget (`unified-slots`: the per-layer path, as `uses_device_decode` picks where a token
-    # can miss) and the same with the next layer's router prefetching (`unified-slots-next-layer-gate`: fills of
-    # the next layer's likely experts overlap this layer's kernels). The device path forced (`device-unified-slots`,
-    # a token that misses redone per layer) ran in runs 10 and 11, 18-26% slower than the first row.
+    # can miss), the same with each layer waiting for its last read before computing any expert
+    # (`unified-slots-wait-all`: as before experts/arrival.py), and the first with the next layer's router
+    # prefetching (`unified-slots-next-layer-gate`: fills of the next layer's likely experts overlap this layer's
+    # kernels). The device path forced (`device-unified-slots`, a token that misses redone per layer) ran in runs
+    # 10 and 11, 18-26% slower than the first row.
     DIR=/dev/shm/bench-unified
     avail=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -1)
     [ "${avail:-0}" -ge 34000000000 ] || [ -d $DIR/qwen3vl-30b-a3b-24layer ] || DIR=/tmp/bench-unified
     echo "== checkpoint in $DIR"
     timeout "$(upto 300)" python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --build-only 2>&1 | tail -2
     timeout "$(upto 10)" python3 tools/bench/discrete.py --out-dir $DIR --layers 24 --new-tokens 16 \
-        --repeats 2 --gpu-gib 10 --strategies unified-slots,unified-slots-next-layer-gate --routings sampled,trace-replay \
+        --repeats 2 --gpu-gib 10 --strategies unified-slots,unified-slots-wait-all,unified-slots-next-layer-gate --routings sampled,trace-replay \
         "${REPLAY[@]}" \
         --skip-baselines --compile-device-rows --json "$OUT/discrete-unified.json" 2>&1 | grep -v "^ *[\"{}\[]" | tail -12
     ;;

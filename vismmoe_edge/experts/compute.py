@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from vismmoe_edge.experts.arrival import RowForm, compute_as_they_arrive, row_form
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
 from vismmoe_edge.experts.pool_compute import decode_experts, expert_mlp, grouped_mm_works, prefill_experts
 from vismmoe_edge.experts.quant_pool import pool_forward
@@ -48,9 +49,10 @@ class ExpertRuntime:
 class OffloadedExperts(nn.Module):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], as transformers' experts.
 
-    With a slot pool (the host or GPU slot tiers) the layer's experts are one batched computation from their
-    slots, waiting (on the GPU: through each slot's event) only for the missing ones; on the page-cache tiers
-    resident experts are computed first, then the missing ones as they arrive.
+    With a slot pool (the host, GPU and unified slot tiers) the layer's experts are one batched computation from
+    their slots, or for one token with some still being read, the resident ones at once and each missing one as it
+    lands (experts/arrival.py); on the page-cache tiers resident experts are computed first, then the missing ones
+    as they arrive.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class OffloadedExperts(nn.Module):
         self.act_fn = act_fn
         self.num_experts = num_experts
         self._order: list[int] = []  # the experts acquired by prepare_pool_step, finished by finish_pool_step
+        self._arriving: tuple[list[int], list[list[int]], RowForm] | None = None  # a step computed as they land
         self._pinned_run: int | None = -1  # pinned_run's answer once asked (-1: not yet)
 
     def forward(
@@ -82,9 +85,16 @@ class OffloadedExperts(nn.Module):
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = pipeline.tier.pool
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
-            slot_of = self._acquire_slots(order)
-            slots = slot_ids(index_cpu, slot_of).to(pool.device)
-            out = self.pool_compute(hidden_states, slots, top_k_weights)
+            waves = self._arrival_waves(order) if hidden_states.shape[0] == 1 else None
+            form = row_form(pool, self.act_fn) if waves is not None else None
+            if form is not None:  # some still being read: compute each as it lands (experts/arrival.py)
+                routed = index_cpu[0].tolist()
+                out = compute_as_they_arrive(hidden_states, routed, top_k_weights, waves, self._acquire_slots, form,
+                                             pool.device)  # fmt: skip
+            else:
+                slot_of = self._acquire_slots(order)
+                slots = slot_ids(index_cpu, slot_of).to(pool.device)
+                out = self.pool_compute(hidden_states, slots, top_k_weights)
             self._finish(order)
         else:
             out = self._loop_compute(hidden_states, index_cpu, top_k_weights, order)
@@ -166,21 +176,46 @@ class OffloadedExperts(nn.Module):
 
     def prepare_pool_step(
         self, hidden: torch.Tensor, router_index: torch.Tensor, router_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The graph path's routing, for one token: `router_index` / `router_weights` [1, k] are the router's
         choice in host memory. Returns the slot and weight of each expert the token uses [1, r] (r = k, or the
-        trace's top-k under replay), on the host."""
+        trace's top-k under replay), on the host; the slots are None where some experts are still being read:
+        then `arriving_step` computes the layer, each expert as it lands, instead of the graph."""
         rt = self.runtime
         index, weights = router_index.clone(), router_weights.clone()  # observers may keep them
         if rt.replay is not None:
             index, weights = rt.replay.route(self.layer, 1)
         self._order = self.route(hidden, index, weights, index)
+        self._arriving = None
+        waves = self._arrival_waves(self._order)
+        form = row_form(rt.pipeline.tier.pool, self.act_fn) if waves is not None else None
+        if form is not None:
+            self._arriving = (index[0].tolist(), waves, form)
+            return None, weights.float()
         slot_of = self._acquire_slots(self._order)
         return torch.tensor([[slot_of[int(e)] for e in index[0].tolist()]]), weights.float()
+
+    def arriving_step(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [1, H] and the routing weights [1, r] on the device -> [1, H]: the experts of the step that
+        prepare_pool_step left to compute as they arrive (experts/arrival.py)."""
+        assert self._arriving is not None, "prepare_pool_step returned slots: the graph computes this step"
+        routed, waves, form = self._arriving
+        pool = self.runtime.pipeline.tier.pool
+        return compute_as_they_arrive(x, routed, weights, waves, self._acquire_slots, form, pool.device)
 
     def finish_pool_step(self) -> None:
         self._finish(self._order)
         self._order = []
+
+    def _arrival_waves(self, order: list[int]) -> list[list[int]] | None:
+        """Where some of the token's experts are still being read: the resident ones as one wave, then each of the
+        others (in the pipeline's order); None where every one is resident already."""
+        pipeline, layer = self.runtime.pipeline, self.layer
+        resident = [e for e in order if (layer, e) in pipeline.pinned or pipeline.is_streamed_and_loaded(layer, e)]
+        if len(resident) == len(order):
+            return None
+        later = [[e] for e in order if e not in resident]
+        return ([resident] if resident else []) + later
 
     def _acquire_slots(self, order: list[int]) -> dict[int, int]:
         """Wait for each expert to be fetched (on the GPU: the copy's event, queued on the compute stream)."""

@@ -29,9 +29,19 @@ def gathered_experts(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, act: Act
 ) -> torch.Tensor:
     """x [1, H], the token's k experts gathered ([k, 2I, H], [k, H, I]) and their weights [1, k] -> [1, H]."""
+    return weighted_sum(expert_outputs(x, w_gate_up, w_down, act), weights, x.dtype)
+
+
+def expert_outputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: Act) -> torch.Tensor:
+    """x [1, H] through k gathered experts -> each expert's output [k, H], unweighted (a row each, so that the
+    rows of some experts may be computed before the others': experts/arrival.py)."""
     gate, up = torch.matmul(w_gate_up, x[0]).chunk(2, dim=-1)  # [k, I] each
-    y = torch.matmul(w_down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)  # [k, H]
-    return (y * weights[0, :, None]).sum(0, keepdim=True).to(x.dtype)
+    return torch.matmul(w_down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The experts' outputs y [k, H] mixed by their routing weights [1, k] -> [1, H] in `dtype`."""
+    return (y * weights[0, :, None]).sum(0, keepdim=True).to(dtype)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Act) -> torch.Tensor:

@@ -64,18 +64,33 @@ def decode_quantized(
     (the graph-replayable path); without it they are read on the host and the slots used in place."""
     if gather is None:
         gather = records.device.type == "cuda"
-    k = slots.shape[1]
-    if gather:
-        chosen = records.index_select(0, slots[0])  # [k, nbytes]
-        if form.spec.quant.bits == 8 and records.device.type == "cuda" and int8_cuda_path() == "dequantize":
-            return _int8_batched(x, chosen, weights, form, act)
-        rows = [chosen[i] for i in range(k)]
-    else:
-        rows = [records[s] for s in slots[0].tolist()]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for i, row in enumerate(rows):
-        out += expert_forward(x, form.views(row), act).to(torch.float32) * weights[0, i].to(torch.float32)
-    return out.to(x.dtype)
+    if gather and batched_int8(records, form):
+        return _int8_batched(x, records.index_select(0, slots[0]), weights, form, act)
+    return sequential_sum(quantized_rows(x, slots[0], weights, records, form, act, gather=gather), x.dtype)
+
+
+def batched_int8(records: torch.Tensor, form: SlotForm) -> bool:
+    """int8 records on CUDA where the experts are dequantized together (int8_cuda_path "dequantize")."""
+    return form.spec.quant.bits == 8 and records.device.type == "cuda" and int8_cuda_path() == "dequantize"
+
+
+def quantized_rows(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act,
+    *, gather: bool,
+) -> torch.Tensor:  # fmt: skip
+    """x [1, H], slots [n], weights [1, n] -> each expert's output times its weight [n, H], in float32. `gather`:
+    the slot ids stay on the device (records.index_select); else they are read on the host and used in place."""
+    chosen = records.index_select(0, slots) if gather else [records[s] for s in slots.tolist()]
+    return torch.cat([expert_forward(x, form.views(row), act).to(torch.float32) * weights[0, i].to(torch.float32)
+                      for i, row in enumerate(chosen)])  # fmt: skip
+
+
+def sequential_sum(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [k, H] float32 added one after another into zeros (the order fixes the rounding) -> [1, H] in dtype."""
+    out = torch.zeros((1, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    for row in rows:
+        out += row
+    return out.to(dtype)
 
 
 def prefill_quantized(
