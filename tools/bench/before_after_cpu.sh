@@ -5,8 +5,9 @@
 # Each round runs, for before then after: the README's run (`run --prompt ...`, wall and CPU seconds of the
 # process, one thread), then `bench --tokens 32 --repeats 3` on the host tier and on the unified tier (median
 # decode tok/s of sampled decoding). Run it on an idle machine: the rows are medians of alternating rounds.
+# BUDGET (default 100%): the bench rows' --memory-budget; below 100% decode tokens miss and read experts.
 set -euo pipefail
-BEFORE=${1:?before tree}; AFTER=${2:?after tree}; ROUNDS=${3:-3}
+BEFORE=${1:?before tree}; AFTER=${2:?after tree}; ROUNDS=${3:-3}; BUDGET=${BUDGET:-100%}
 PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
 for round in $(seq 1 "$ROUNDS"); do
@@ -18,7 +19,7 @@ for round in $(seq 1 "$ROUNDS"); do
         echo "round $round $side readme wall_user_sys $t"
         for tier in host unified; do
             rate=$(env PYTHONPATH="$tree" "$PY" -m vismmoe_edge.cli bench --tokens 32 --repeats 3 --json \
-                --memory-budget 100% --pinned-layers 0 --policy lru --tier "$tier" 2>/dev/null \
+                --memory-budget "$BUDGET" --pinned-layers 0 --policy lru --tier "$tier" 2>/dev/null \
                 | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["median"]["decode_tokens_per_s"])')
             echo "round $round $side bench_$tier decode_tok_s $rate"
         done
