@@ -24,24 +24,32 @@ from vismmoe_edge.quant.slot_form import SlotForm
 
 ROUTED = [7, 2, 11, 4]  # the token's experts in the router's order
 SLOT_OF = {7: 3, 2: 0, 11: 5, 4: 1}
+# (resident at the routing, then the batches in which the others land)
 WAVES = [
-    [[7, 2, 11, 4]],  # everything resident: one wave
-    [[2, 4], [7], [11]],  # two resident, then two arriving
-    [[11], [4], [2], [7]],  # nothing resident: one expert a wave, in the reads' order
+    [[7, 2, 11, 4]],  # everything resident: one batch
+    [[2, 4], [7], [11]],  # two resident, then two landing one after the other
+    [[], [11, 4], [2], [7]],  # nothing resident: two land together, then one at a time
 ]
 
 
 def in_waves(pool, x: torch.Tensor, weights: torch.Tensor, waves: list[list[int]]) -> torch.Tensor:
     form = arrival.row_form(pool, F.silu)
     assert form is not None
-    taken: list[int] = []
+    resident, landings = waves[0], iter(waves[1:])
+    reading = [e for wave in waves[1:] for e in wave]
+    taken: list[list[int]] = []
 
-    def slots_of(wave: list[int]) -> dict[int, int]:
-        taken.extend(wave)
-        return {e: SLOT_OF[e] for e in wave}
+    def arrived(still: list[int]) -> list[int]:
+        assert still == [e for e in reading if not any(e in t for t in taken)]  # only those not yet computed
+        return next(landings)
 
-    out = arrival.compute_as_they_arrive(x, ROUTED, weights, waves, slots_of, form, torch.device("cpu"))
-    assert taken == [e for wave in waves for e in wave]  # each wave waited for in turn
+    def slots_of(batch: list[int]) -> dict[int, int]:
+        taken.append(batch)
+        return {e: SLOT_OF[e] for e in batch}
+
+    out = arrival.compute_as_they_arrive(x, ROUTED, weights, resident, reading, arrived, slots_of, form,
+                                         torch.device("cpu"))  # fmt: skip
+    assert taken == [w for w in waves if w]  # the resident batch first, then each landing as it came
     return out
 
 
@@ -93,12 +101,12 @@ def test_an_engine_with_slow_reads_computes_experts_as_they_arrive(
         return fetch(*args, **kwargs)
 
     monkeypatch.setattr(pipeline_tier, "fetch", slow_fetch)
-    waves_seen: list[list[list[int]]] = []
+    splits: list[tuple[list[int], list[int]]] = []
     original = compute_module.compute_as_they_arrive
 
-    def spy(x, routed, weights, waves, *args):  # type: ignore[no-untyped-def]
-        waves_seen.append(waves)
-        return original(x, routed, weights, waves, *args)
+    def spy(x, routed, weights, resident, reading, *args):  # type: ignore[no-untyped-def]
+        splits.append((resident, reading))
+        return original(x, routed, weights, resident, reading, *args)
 
     monkeypatch.setattr(compute_module, "compute_as_they_arrive", spy)
     stepped: list[int] = []
@@ -110,6 +118,6 @@ def test_an_engine_with_slow_reads_computes_experts_as_they_arrive(
 
     monkeypatch.setattr(compute_module.OffloadedExperts, "arriving_step", step_spy)
     assert_matches(engine, references, static=static, atol=1e-5)
-    assert waves_seen, "no layer found an expert still being read"
-    assert any(len(w) > 1 for w in waves_seen)
+    assert splits, "no layer found an expert still being read"
+    assert all(reading for _, reading in splits) and any(resident for resident, _ in splits)
     assert bool(stepped) == static  # the static decoder's layer step, or the module's forward

@@ -261,7 +261,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     from vismmoe_edge.sampling import SamplingConfig
 
     if not arrival:
-        with patched(OffloadedExperts, "_arrival_waves", lambda self, order: None):
+        with patched(OffloadedExperts, "_arrival_split", lambda self, order: None):
             return run_trial(engine, image, new_tokens, replay, seed, policy=policy, graphs=graphs,
                              device_decode=device_decode, mapped=mapped, compiled=compiled, ahead=ahead,
                              promotions=promotions, gemv=gemv)  # fmt: skip

@@ -4,13 +4,13 @@ A layer whose experts are all resident runs them in one batched call (OffloadedE
 are still being read into their slots (a miss: on a Jetson an NVMe read into a unified slot; on a desktop a copy
 into a pinned or GPU slot), that call must wait for every read, so the compute idles for the reads' whole length
 and the device's reads of the resident experts (over the bus, for slots in host memory) wait too. Here the experts
-resident at the routing run at once as one batch, and each missing one as soon as its read lands, while the I/O
-threads read the rest. Each expert's output row is kept, and the rows are summed at the end as the batched call
-sums them: the same operations on the same values. For bf16 slots and quantized records the token's output is the
-batched call's bit for bit; for float32 slots on the CPU, whose batched matmul rounds a row differently with the
-number of experts in the batch, it differs from it by that rounding alone (~1e-7), and the engine's tokens and
-logits stay transformers' (tests/test_arrival.py). The waves' rows of int4 records on the GPU are Triton programs
-a row each, the same whatever the batch.
+resident at the routing run at once as one batch, and the missing ones as their reads land (those that have
+landed together as one batch), while the I/O threads read the rest. Each expert's output row is kept, and the
+rows are summed at the end as the batched call sums them: the same operations on the same values. For bf16 slots
+and quantized records the token's output is the batched call's bit for bit; for float32 slots on the CPU, whose
+batched matmul rounds a row differently with the number of experts in the batch, it differs from it by that
+rounding alone (~1e-7), and the engine's tokens and logits stay transformers' (tests/test_arrival.py). The rows
+of int4 records on the GPU are Triton programs, a row each, the same whatever the batch.
 """
 
 from __future__ import annotations
@@ -70,17 +70,21 @@ def compute_as_they_arrive(
     x: torch.Tensor,
     routed: list[int],
     weights: torch.Tensor,
-    waves: list[list[int]],
+    resident: list[int],
+    reading: list[int],
+    arrived: Callable[[list[int]], list[int]],
     slots_of: Callable[[list[int]], dict[int, int]],
     form: RowForm,
     device: torch.device,
 ) -> torch.Tensor:
-    """x [1, H]; `routed`: the token's k experts in the router's order, `weights` [1, k] theirs; `waves`: the
-    experts in the order to compute them, a batch a wave (the resident ones first, then each missing one);
-    `slots_of(wave)` waits for a wave's experts and returns their slots. -> [1, H]."""
+    """x [1, H]; `routed`: the token's k experts in the router's order, `weights` [1, k] theirs; `resident`: those
+    in slots now, computed first as one batch; `reading`: the others, each batch of them computed as `arrived`
+    returns it (it waits until at least one has landed and returns all that have); `slots_of(batch)` acquires a
+    batch's experts and returns their slots. -> [1, H]."""
     parts: list[torch.Tensor | None] = [None] * len(routed)
-    for wave in waves:
-        slot_of = slots_of(wave)
+
+    def compute(batch: list[int]) -> None:
+        slot_of = slots_of(batch)
         at = [j for j, expert in enumerate(routed) if expert in slot_of]
         # host -> device without a stream synchronisation: the rows queue behind the kernels already launched
         slots = torch.tensor([slot_of[routed[j]] for j in at]).to(device, non_blocking=True)
@@ -88,5 +92,12 @@ def compute_as_they_arrive(
         out = form.rows(x, slots, weights.index_select(1, positions))
         for row, j in enumerate(at):
             parts[j] = out[row]
-    assert all(p is not None for p in parts), "every routed expert is in a wave"
+
+    if resident:
+        compute(resident)
+    while reading:
+        batch = arrived(reading)
+        compute(batch)
+        reading = [e for e in reading if e not in batch]
+    assert all(p is not None for p in parts), "every routed expert computed"
     return form.total(torch.stack(parts), weights, x.dtype)  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ class OffloadedExperts(nn.Module):
         self.act_fn = act_fn
         self.num_experts = num_experts
         self._order: list[int] = []  # the experts acquired by prepare_pool_step, finished by finish_pool_step
-        self._arriving: tuple[list[int], list[list[int]], RowForm] | None = None  # a step computed as they land
+        self._arriving: tuple[list[int], tuple[list[int], list[int]], RowForm] | None = None  # computed as they land
         self._pinned_run: int | None = -1  # pinned_run's answer once asked (-1: not yet)
 
     def forward(
@@ -85,12 +85,10 @@ class OffloadedExperts(nn.Module):
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = pipeline.tier.pool
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
-            waves = self._arrival_waves(order) if hidden_states.shape[0] == 1 else None
-            form = row_form(pool, self.act_fn) if waves is not None else None
+            split = self._arrival_split(order) if hidden_states.shape[0] == 1 else None
+            form = row_form(pool, self.act_fn) if split is not None else None
             if form is not None:  # some still being read: compute each as it lands (experts/arrival.py)
-                routed = index_cpu[0].tolist()
-                out = compute_as_they_arrive(hidden_states, routed, top_k_weights, waves, self._acquire_slots, form,
-                                             pool.device)  # fmt: skip
+                out = self._compute_as_they_arrive(hidden_states, index_cpu[0].tolist(), top_k_weights, split, form)
             else:
                 slot_of = self._acquire_slots(order)
                 slots = slot_ids(index_cpu, slot_of).to(pool.device)
@@ -187,10 +185,10 @@ class OffloadedExperts(nn.Module):
             index, weights = rt.replay.route(self.layer, 1)
         self._order = self.route(hidden, index, weights, index)
         self._arriving = None
-        waves = self._arrival_waves(self._order)
-        form = row_form(rt.pipeline.tier.pool, self.act_fn) if waves is not None else None
-        if form is not None:
-            self._arriving = (index[0].tolist(), waves, form)
+        split = self._arrival_split(self._order)
+        form = row_form(rt.pipeline.tier.pool, self.act_fn) if split is not None else None
+        if split is not None and form is not None:
+            self._arriving = (index[0].tolist(), split, form)
             return None, weights.float()
         slot_of = self._acquire_slots(self._order)
         return torch.tensor([[slot_of[int(e)] for e in index[0].tolist()]]), weights.float()
@@ -199,23 +197,30 @@ class OffloadedExperts(nn.Module):
         """x [1, H] and the routing weights [1, r] on the device -> [1, H]: the experts of the step that
         prepare_pool_step left to compute as they arrive (experts/arrival.py)."""
         assert self._arriving is not None, "prepare_pool_step returned slots: the graph computes this step"
-        routed, waves, form = self._arriving
-        pool = self.runtime.pipeline.tier.pool
-        return compute_as_they_arrive(x, routed, weights, waves, self._acquire_slots, form, pool.device)
+        routed, split, form = self._arriving
+        return self._compute_as_they_arrive(x, routed, weights, split, form)
+
+    def _compute_as_they_arrive(
+        self, x: torch.Tensor, routed: list[int], weights: torch.Tensor, split: tuple[list[int], list[int]],
+        form: RowForm,
+    ) -> torch.Tensor:  # fmt: skip
+        pipeline = self.runtime.pipeline
+        arrived = lambda reading: pipeline.arrived(self.layer, reading)  # noqa: E731
+        return compute_as_they_arrive(x, routed, weights, *split, arrived, self._acquire_slots, form,
+                                      pipeline.tier.pool.device)  # fmt: skip
 
     def finish_pool_step(self) -> None:
         self._finish(self._order)
         self._order = []
 
-    def _arrival_waves(self, order: list[int]) -> list[list[int]] | None:
-        """Where some of the token's experts are still being read: the resident ones as one wave, then each of the
-        others (in the pipeline's order); None where every one is resident already."""
+    def _arrival_split(self, order: list[int]) -> tuple[list[int], list[int]] | None:
+        """Where some of the token's experts are still being read: (those resident now, those being read, in the
+        pipeline's order); None where every one is resident already."""
         pipeline, layer = self.runtime.pipeline, self.layer
         resident = [e for e in order if (layer, e) in pipeline.pinned or pipeline.is_streamed_and_loaded(layer, e)]
         if len(resident) == len(order):
             return None
-        later = [[e] for e in order if e not in resident]
-        return ([resident] if resident else []) + later
+        return resident, [e for e in order if e not in resident]
 
     def _acquire_slots(self, order: list[int]) -> dict[int, int]:
         """Wait for each expert to be fetched (on the GPU: the copy's event, queued on the compute stream)."""

@@ -245,6 +245,25 @@ class ExpertPipeline:
         self.tier.ready(key, entry.slot)
         return entry.weights
 
+    def arrived(self, layer: int, experts: list[int]) -> list[int]:
+        """Those of a layer's Required `experts` that have arrived, waiting (a stall) until at least one has."""
+
+        def landed() -> list[int]:
+            return [e for e in experts if (layer, e) in self.pinned or self.is_streamed_and_loaded(layer, e)]
+
+        now = landed()
+        if now:
+            return now
+        start = time.perf_counter()
+        with self._lock:  # a fetch sets its event and notifies under this lock: no arrival is missed
+            while not (now := landed()):
+                self._raise_if_failed()
+                self._lock.wait(0.5)
+        stall = time.perf_counter() - start
+        self.layer_log[-1].stall_s += stall
+        self.stats.stall_s += stall
+        return now
+
     def slot_of(self, layer: int, expert: int) -> int | None:
         """The slot an acquired expert occupies: a cache slot, or the pinned prefix's slot where the tier keeps the
         prefix in the same pool (None otherwise)."""
