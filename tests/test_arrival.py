@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import vismmoe_edge
-from tests.hf_reference import assert_matches
+from tests.hf_reference import NEW_TOKENS, assert_matches
 from tests.quant_sources import one_thread  # noqa: F401 - autouse: one torch thread in this module
 from tests.test_quant_pool import make_pool
 from vismmoe_edge.experts import arrival
@@ -21,6 +21,7 @@ from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.slot_form import SlotForm
+from vismmoe_edge.sampling import SamplingConfig
 
 ROUTED = [7, 2, 11, 4]  # the token's experts in the router's order
 SLOT_OF = {7: 3, 2: 0, 11: 5, 4: 1}
@@ -101,6 +102,7 @@ def test_an_engine_with_slow_reads_computes_experts_as_they_arrive(
         return fetch(*args, **kwargs)
 
     monkeypatch.setattr(pipeline_tier, "fetch", slow_fetch)
+    monkeypatch.setattr(compute_module, "ARRIVAL_MIN_BYTES", 0)  # this checkpoint's experts are a few KB
     splits: list[tuple[list[int], list[int]]] = []
     original = compute_module.compute_as_they_arrive
 
@@ -121,3 +123,23 @@ def test_an_engine_with_slow_reads_computes_experts_as_they_arrive(
     assert splits, "no layer found an expert still being read"
     assert all(reading for _, reading in splits) and any(resident for resident, _ in splits)
     assert bool(stepped) == static  # the static decoder's layer step, or the module's forward
+
+
+def test_small_reads_keep_the_batched_call(checkpoints, references, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads still in flight of fewer than ARRIVAL_MIN_BYTES (this checkpoint's experts are a few KB): the layer
+    waits for them and runs its one batched call, as the host work of computing in batches would cost more."""
+    engine = vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", pinned_layers=1, tier="host", device="cpu")
+    pipeline_tier = engine.experts.pipeline.tier
+    assert 8 * pipeline_tier.slot_bytes < compute_module.ARRIVAL_MIN_BYTES
+    fetch = pipeline_tier.fetch
+
+    def slow_fetch(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return fetch(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_tier, "fetch", slow_fetch)
+    monkeypatch.setattr(compute_module, "compute_as_they_arrive", lambda *a: pytest.fail("computed in batches"))
+    ref = references["one_image"]
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    result = engine.generate_from_inputs(ref.inputs, sampling)
+    assert result.token_ids == ref.tokens and result.experts["misses"] > 0

@@ -17,6 +17,12 @@ from vismmoe_edge.experts.quant_pool import pool_forward
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
 
+# Computing experts as they arrive costs host work per batch (~0.3 ms a layer on this project's 2-core VM: small
+# tensors, one call a batch): it pays where the reads still to come take longer. 1 MiB is ~0.1 ms of memory copy
+# and ~0.3-0.5 ms of NVMe read; a 30B-A3B expert is 9.4 MB in bf16, 2.5 MB in int4, the demo model's 55 KB (where
+# it cost ~4% of CPU decode: docs/benchmarks.md).
+ARRIVAL_MIN_BYTES = 1 << 20
+
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
 
 
@@ -214,11 +220,12 @@ class OffloadedExperts(nn.Module):
         self._order = []
 
     def _arrival_split(self, order: list[int]) -> tuple[list[int], list[int]] | None:
-        """Where some of the token's experts are still being read: (those resident now, those being read, in the
-        pipeline's order); None where every one is resident already."""
+        """Where experts of at least ARRIVAL_MIN_BYTES are still being read: (those resident now, those being
+        read, in the pipeline's order); else None (the batched call)."""
         pipeline, layer = self.runtime.pipeline, self.layer
         resident = [e for e in order if (layer, e) in pipeline.pinned or pipeline.is_streamed_and_loaded(layer, e)]
-        if len(resident) == len(order):
+        reading = len(order) - len(resident)
+        if reading == 0 or reading * pipeline.tier.slot_bytes < ARRIVAL_MIN_BYTES:
             return None
         return resident, [e for e in order if e not in resident]
 
