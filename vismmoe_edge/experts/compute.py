@@ -17,10 +17,10 @@ from vismmoe_edge.experts.quant_pool import pool_forward
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
 
-# Computing experts as they arrive costs host work per batch (~0.3 ms a layer on this project's 2-core VM: small
-# tensors, one call a batch): it pays where the reads still to come take longer. 1 MiB is ~0.1 ms of memory copy
-# and ~0.3-0.5 ms of NVMe read; a 30B-A3B expert is 9.4 MB in bf16, 2.5 MB in int4, the demo model's 55 KB (where
-# it cost ~4% of CPU decode: docs/benchmarks.md).
+# Computing experts as they arrive costs host work per batch (small tensors, a call a batch: ~0.8 ms a layer step
+# on this project's 2-core VM, where the one batched call costs less): it pays only where the reads still to come
+# take longer. 1 MiB is ~0.1 ms of memory copy and ~0.3-0.5 ms of NVMe read; a 30B-A3B expert is 9.4 MB in bf16,
+# 2.5 MB in int4, the demo model's 55 KB (where it cost the CPU's host-tier decode 5-13%: docs/benchmarks.md).
 ARRIVAL_MIN_BYTES = 1 << 20
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, hidden, index, weights
