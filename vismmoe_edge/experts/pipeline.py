@@ -23,6 +23,7 @@ from enum import Enum
 
 import torch
 
+from vismmoe_edge.experts.pipeline_stats import LayerStats, PipelineStats
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.experts.tier import ExpertKey, Tier
 
@@ -53,46 +54,6 @@ class Entry:
     speculative: bool = False  # fetched on a prediction; cleared when a layer routes it
     raised_from: float | None = None  # an Expired entry's priority before a prediction raised it
     used: bool = False
-
-
-@dataclass
-class LayerStats:
-    """Counters of one MoE layer call (one step of one layer): what telemetry records."""
-
-    layer: int
-    hits: int = 0
-    misses: int = 0
-    stall_s: float = 0.0
-    compute_s: float = 0.0
-    bytes_read: int = 0
-    prefetch_hits: int = 0
-    wasted_bytes: int = 0  # prefetched bytes evicted unused while this layer ran
-    resident_bytes: int = 0  # at the end of the layer
-
-
-@dataclass
-class PipelineStats:
-    hits: int = 0
-    misses: int = 0
-    prefetch_hits: int = 0  # hits on an expert that arrived on a prediction
-    bytes_read: int = 0
-    speculative_bytes: int = 0
-    wasted_speculative_bytes: int = 0  # prefetched, then evicted or dropped unused
-    evictions: int = 0
-    stall_s: float = 0.0
-    fetch_seconds: float = 0.0
-    resident_bytes: int = 0
-    peak_resident_bytes: int = 0
-    pinned_bytes: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {**out, "hit_rate": self.hit_rate}
 
 
 class ExpertPipeline:
@@ -246,17 +207,10 @@ class ExpertPipeline:
         return entry.weights
 
     def arrived(self, layer: int, experts: list[int]) -> list[int]:
-        """Those of a layer's Required `experts` that have arrived, waiting (a stall) until at least one has."""
-
-        def landed() -> list[int]:
-            return [e for e in experts if (layer, e) in self.pinned or self.is_streamed_and_loaded(layer, e)]
-
-        now = landed()
-        if now:
-            return now
+        """Those of a layer's Required streamed `experts` that have arrived, waiting (a stall) until one has."""
         start = time.perf_counter()
         with self._lock:  # a fetch sets its event and notifies under this lock: no arrival is missed
-            while not (now := landed()):
+            while not (now := [e for e in experts if self.is_streamed_and_loaded(layer, e)]):
                 self._raise_if_failed()
                 self._lock.wait(0.5)
         stall = time.perf_counter() - start
