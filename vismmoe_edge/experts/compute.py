@@ -56,9 +56,9 @@ class OffloadedExperts(nn.Module):
     """forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], as transformers' experts.
 
     With a slot pool (the host, GPU and unified slot tiers) the layer's experts are one batched computation from
-    their slots, or for one token with some still being read, the resident ones at once and each missing one as it
-    lands (experts/arrival.py); on the page-cache tiers resident experts are computed first, then the missing ones
-    as they arrive.
+    their slots, or for one token with ARRIVAL_MIN_BYTES or more still being read, the resident ones at once and
+    the missing ones as they land (experts/arrival.py); on the page-cache tiers resident experts are computed
+    first, then the missing ones as they arrive.
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class OffloadedExperts(nn.Module):
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
             split = self._arrival_split(order) if hidden_states.shape[0] == 1 else None
             form = row_form(pool, self.act_fn) if split is not None else None
-            if form is not None:  # some still being read: compute each as it lands (experts/arrival.py)
+            if form is not None:  # some still being read: compute them as they land (experts/arrival.py)
                 out = self._compute_as_they_arrive(hidden_states, index_cpu[0].tolist(), top_k_weights, split, form)
             else:
                 slot_of = self._acquire_slots(order)
@@ -184,7 +184,7 @@ class OffloadedExperts(nn.Module):
         """The graph path's routing, for one token: `router_index` / `router_weights` [1, k] are the router's
         choice in host memory. Returns the slot and weight of each expert the token uses [1, r] (r = k, or the
         trace's top-k under replay), on the host; the slots are None where some experts are still being read:
-        then `arriving_step` computes the layer, each expert as it lands, instead of the graph."""
+        then `arriving_step` computes the layer, the experts as they land, instead of the graph."""
         rt = self.runtime
         index, weights = router_index.clone(), router_weights.clone()  # observers may keep them
         if rt.replay is not None:
