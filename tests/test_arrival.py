@@ -19,6 +19,7 @@ from vismmoe_edge.experts import arrival
 from vismmoe_edge.experts import compute as compute_module
 from vismmoe_edge.experts.pool_compute import decode_experts
 from vismmoe_edge.experts.quant_pool import decode_quantized
+from vismmoe_edge.kernels import moe_decode as md
 from vismmoe_edge.quant.packing import ROWMAJOR, native_cpu_layout
 from vismmoe_edge.quant.slot_form import SlotForm
 from vismmoe_edge.sampling import SamplingConfig
@@ -143,3 +144,18 @@ def test_small_reads_keep_the_batched_call(checkpoints, references, monkeypatch:
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     result = engine.generate_from_inputs(ref.inputs, sampling)
     assert result.token_ids == ref.tokens and result.experts["misses"] > 0
+
+
+@pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("waves", WAVES)
+def test_triton_int4_rows_in_waves_equal_the_batched_kernel(waves: list[list[int]]) -> None:
+    """int4 records in the Triton form (the GPU's): each batch is one launch of the GEMVs over its experts, a row
+    a program, so the rows and their sum are the batched launch's bit for bit."""
+    spec, records, _ = make_pool(4, ROWMAJOR, hidden=256, inter=64, group=32)
+    form = SlotForm.for_device(spec, torch.device("cpu"), triton=True)
+    pool = SimpleNamespace(records=records, form=form)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(1, len(ROUTED)), -1).to(torch.bfloat16)
+    slots = torch.tensor([[SLOT_OF[e] for e in ROUTED]])
+    batched = md.fused_decode_records(x, slots, weights, records, form, F.silu)
+    assert torch.equal(in_waves(pool, x, weights, waves), batched)
