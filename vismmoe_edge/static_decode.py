@@ -547,7 +547,7 @@ class StaticDecoder:
             b = self.buffers[i]
             slots, mix = experts.prepare_pool_step(self.normed.view(1, -1), b.host_index, b.host_weights)
             b.host_mix.copy_(mix)
-            if slots is None:  # some experts still being read: eagerly, each as it lands (experts/arrival.py)
+            if slots is None:  # some experts still being read: eagerly, as they land (experts/arrival.py)
                 b.mix.copy_(b.host_mix, non_blocking=True)
                 out = experts.arriving_step(self.normed.view(1, -1), b.mix)
                 self.hidden.add_(out.view_as(self.hidden))
