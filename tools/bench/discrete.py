@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from vismmoe_edge.experts import compute as expert_compute  # noqa: E402
+from vismmoe_edge.experts.compute import ARRIVAL_MIN_BYTES  # noqa: E402
 from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
 from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, gemv_projections  # noqa: E402
 
@@ -240,31 +241,11 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
     )
 
 
-@contextmanager
-def patched(owner: object, name: str, value: object) -> Iterator[None]:
-    """`owner.name` set to `value` for the block's length."""
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
               ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN,
-              gemv: str = DEFAULT_PROJECTIONS, arrival: bool = True) -> dict:  # fmt: skip
-    """`arrival` False: a layer waits for every expert's read before computing any (as before
-    experts/arrival.py), for the row against it in the same call."""
-    from vismmoe_edge.experts.compute import OffloadedExperts
+              gemv: str = DEFAULT_PROJECTIONS, arrival_min_bytes: float = ARRIVAL_MIN_BYTES) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
-
-    if not arrival:
-        with patched(OffloadedExperts, "_arrival_split", lambda self, order: None):
-            return run_trial(engine, image, new_tokens, replay, seed, policy=policy, graphs=graphs,
-                             device_decode=device_decode, mapped=mapped, compiled=compiled, ahead=ahead,
-                             promotions=promotions, gemv=gemv)  # fmt: skip
 
     pipeline = engine.experts.pipeline
     pipeline.policy = policy
@@ -277,6 +258,9 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.decode_ahead = ahead  # ... each token launched before the host reads the one before it
     engine.promotions_per_token = promotions  # ... and up to this many experts it read in place moved into slots
     engine.decode_gemv = gemv_projections(gemv)  # ... the compiled projections on the Triton GEMV (dense_gemv.py)
+    # a layer with this many bytes still being read computes its experts as they land (experts/arrival.py); inf:
+    # it waits for every read, as before
+    expert_compute.ARRIVAL_MIN_BYTES = arrival_min_bytes
     pipeline.clear()
     engine.observers = [o for o in engine.observers if type(o).__name__ != "TraceReplay"]
     engine.experts.replay = None
@@ -697,7 +681,7 @@ def main() -> None:
             # into free slots while this layer computes (a fill then overlaps the kernels' reads)
             configs.append(("unified-slots", "unified-slots-next-layer-gate", {}))
             # the same tier with every layer waiting for its last read before computing (before experts/arrival.py)
-            configs.append(("unified-slots", "unified-slots-wait-all", {"arrival": False}))
+            configs.append(("unified-slots", "unified-slots-wait-all", {"arrival_min_bytes": math.inf}))
             configs += [(name, f"device-{name}", {"device_decode": "on"}) for name in UNIFIED]
             configs = [c for c in configs if c[1] in wanted]
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}

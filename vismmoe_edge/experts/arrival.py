@@ -15,7 +15,7 @@ of int4 records on the GPU are Triton programs, a row each, the same whatever th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,14 @@ import torch
 from vismmoe_edge.experts.pool_compute import Act, expert_outputs, weighted_sum
 from vismmoe_edge.experts.quant_pool import batched_int8, quantized_rows, sequential_sum
 
-Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x [1, H], slots [n], weights [1, n]
-Total = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # rows [k, H], weights [1, k], dtype
+# x [1, H], slots [n], weights [1, n] -> the n experts' rows ([n, H], or n of [1, H])
+Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+Total = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # rows stacked, weights [1, k], dtype
 
 
 @dataclass(frozen=True)
 class RowForm:
-    """A pool's one-token computation as per-expert rows [n, H] and their total [1, H] (the batched call is
+    """A pool's one-token computation as per-expert rows and their total [1, H] (the batched call is
     `total(rows(all k experts))`)."""
 
     rows: Rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -91,10 +92,9 @@ class OffloadedExperts(nn.Module):
         stalled_before = pipeline.layer_log[-1].stall_s
         pool = pipeline.tier.pool
         if pool is not None and pipeline.can_hold(self.layer, order):  # all of them can be resident at once
-            split = self._arrival_split(order) if hidden_states.shape[0] == 1 else None
-            form = row_form(pool, self.act_fn) if split is not None else None
-            if form is not None:  # some still being read: compute them as they land (experts/arrival.py)
-                out = self._compute_as_they_arrive(hidden_states, index_cpu[0].tolist(), top_k_weights, split, form)
+            arriving = self._arrival(order) if hidden_states.shape[0] == 1 else None
+            if arriving is not None:  # some still being read: compute them as they land (experts/arrival.py)
+                out = self._compute_as_they_arrive(hidden_states, index_cpu[0].tolist(), top_k_weights, *arriving)
             else:
                 slot_of = self._acquire_slots(order)
                 slots = slot_ids(index_cpu, slot_of).to(pool.device)
@@ -190,11 +190,9 @@ class OffloadedExperts(nn.Module):
         if rt.replay is not None:
             index, weights = rt.replay.route(self.layer, 1)
         self._order = self.route(hidden, index, weights, index)
-        self._arriving = None
-        split = self._arrival_split(self._order)
-        form = row_form(rt.pipeline.tier.pool, self.act_fn) if split is not None else None
-        if split is not None and form is not None:
-            self._arriving = (index[0].tolist(), split, form)
+        arriving = self._arrival(self._order)
+        self._arriving = None if arriving is None else (index[0].tolist(), *arriving)
+        if arriving is not None:
             return None, weights.float()
         slot_of = self._acquire_slots(self._order)
         return torch.tensor([[slot_of[int(e)] for e in index[0].tolist()]]), weights.float()
@@ -211,13 +209,20 @@ class OffloadedExperts(nn.Module):
         form: RowForm,
     ) -> torch.Tensor:  # fmt: skip
         pipeline = self.runtime.pipeline
-        arrived = lambda reading: pipeline.arrived(self.layer, reading)  # noqa: E731
-        return compute_as_they_arrive(x, routed, weights, *split, arrived, self._acquire_slots, form,
-                                      pipeline.tier.pool.device)  # fmt: skip
+        return compute_as_they_arrive(x, routed, weights, *split, partial(pipeline.arrived, self.layer),
+                                      self._acquire_slots, form, pipeline.tier.pool.device)  # fmt: skip
 
     def finish_pool_step(self) -> None:
         self._finish(self._order)
         self._order = []
+
+    def _arrival(self, order: list[int]) -> tuple[tuple[list[int], list[int]], RowForm] | None:
+        """(_arrival_split's answer, the pool's row form) where the step computes its experts as they land; None
+        where it runs the one batched call (everything resident, little still being read, or a pool whose decode
+        has no rows: int8 dequantized as a batch on CUDA)."""
+        split = self._arrival_split(order)
+        form = None if split is None else row_form(self.runtime.pipeline.tier.pool, self.act_fn)
+        return None if form is None else (split, form)
 
     def _arrival_split(self, order: list[int]) -> tuple[list[int], list[int]] | None:
         """Where experts of at least ARRIVAL_MIN_BYTES are still being read: (those resident now, those being

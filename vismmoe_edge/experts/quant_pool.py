@@ -15,7 +15,7 @@ that keeps such a tensor (host slots, GPU slots, slots in pinned memory a GPU re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -77,17 +77,17 @@ def batched_int8(records: torch.Tensor, form: SlotForm) -> bool:
 def quantized_rows(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, records: torch.Tensor, form: SlotForm, act: Act,
     *, gather: bool,
-) -> torch.Tensor:  # fmt: skip
-    """x [1, H], slots [n], weights [1, n] -> each expert's output times its weight [n, H], in float32. `gather`:
+) -> list[torch.Tensor]:  # fmt: skip
+    """x [1, H], slots [n], weights [1, n] -> each expert's output times its weight, [1, H] float32 each. `gather`:
     the slot ids stay on the device (records.index_select); else they are read on the host and used in place."""
     chosen = records.index_select(0, slots) if gather else [records[s] for s in slots.tolist()]
-    return torch.cat([expert_forward(x, form.views(row), act).to(torch.float32) * weights[0, i].to(torch.float32)
-                      for i, row in enumerate(chosen)])  # fmt: skip
+    return [expert_forward(x, form.views(row), act).to(torch.float32) * weights[0, i].to(torch.float32)
+            for i, row in enumerate(chosen)]  # fmt: skip
 
 
-def sequential_sum(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """rows [k, H] float32 added one after another into zeros (the order fixes the rounding) -> [1, H] in dtype."""
-    out = torch.zeros((1, rows.shape[1]), dtype=torch.float32, device=rows.device)
+def sequential_sum(rows: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Rows [1, H] float32 added one after another into zeros (the order fixes the rounding) -> [1, H] in dtype."""
+    out = torch.zeros_like(rows[0])
     for row in rows:
         out += row
     return out.to(dtype)
