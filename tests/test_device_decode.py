@@ -336,8 +336,10 @@ def test_auto_reads_experts_in_place_only_where_the_host_tier_can_serve_every_mi
 
 
 @pytest.mark.skipif(not md.HAS_TRITON or not md.INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
-def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
-    """Two experts in pool slots, one read in place from a slot-shaped host buffer, one absent and unmapped."""
+@pytest.mark.parametrize("act", [F.silu, F.gelu], ids=["silu", "gelu"])
+def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter(act) -> None:  # type: ignore[no-untyped-def]
+    """Two experts in pool slots, one read in place from a slot-shaped host buffer, one absent and unmapped. SiLU
+    experts take the fused down GEMV (activation and routing weight in the kernel), others the activation in torch."""
     pool, x = _pool(slots=3, inter=24, hidden=40, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     host_gate_up = torch.randn(24 * 2, 40, generator=g).to(torch.bfloat16)
@@ -347,16 +349,24 @@ def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter() -> None:
     table[[1, 4]] = torch.tensor([2, 0], dtype=torch.int32)
     host_row = torch.zeros(6, 2, dtype=torch.int64)
     host_row[3] = torch.tensor([record.data_ptr(), record.data_ptr() + host_gate_up.nbytes])
-    weights = torch.tensor([[0.5, 0.3, 0.2]])
-    out, missed = md.moe_decode(x, torch.tensor([[4, 3, 1]]), weights, table, pool, F.silu, host_row)
+    weights = torch.tensor([[0.5, 0.3, 0.2]]).to(torch.bfloat16)
+    index = torch.tensor([[4, 3, 1]])
+    out, missed = md.moe_decode(x, index, weights, table, pool, act, host_row)
     assert not bool(missed)
     w_gate_up = torch.stack([pool.gate_up[0], host_gate_up, pool.gate_up[2]]).float()
     w_down = torch.stack([pool.down[0], host_down, pool.down[2]]).float()
     from vismmoe_edge.experts.pool_compute import gathered_experts
 
-    ref = gathered_experts(x.float(), w_gate_up, w_down, weights, F.silu)
+    ref = gathered_experts(x.float(), w_gate_up, w_down, weights.float(), act)
     assert torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, F.silu, host_row)
+    # the token's miss row: overwritten (the router wrote True: two experts are in no slot), each expert's weighted
+    # output kept for the next layer's attention to sum
+    row = torch.tensor(True)
+    rows, flag = md.mapped_decode(x, index, table, weights, host_row, pool, act, summed=False, missed=row)
+    assert flag is row and not bool(row)
+    assert rows.shape == (3, 40) and rows.dtype == torch.float32
+    assert torch.equal(rows.sum(0, keepdim=True).to(x.dtype), out)
+    _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, act, host_row)
     assert bool(missed)  # expert 5: in no slot and not mapped
 
 

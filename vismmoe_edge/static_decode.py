@@ -31,7 +31,7 @@ from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers, aligned_rows, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
-from vismmoe_edge.kernels.moe_decode import HAS_TRITON, moe_decode, pool_decode, use_triton
+from vismmoe_edge.kernels.moe_decode import HAS_TRITON, mapped_decode, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 from vismmoe_edge.static_cache import StaticCache
 from vismmoe_edge.switches import forced
@@ -351,8 +351,12 @@ class StaticDecoder:
                     if not replay:
                         _, weights, index = layer.mlp.gate(x)
                     self.routing[m].copy_(index[0])
-                out, missed = moe_decode(x, index, weights, table_row, pool, act, host_row)
-                self.missed[m].copy_(missed)  # reading in place: a miss is moe_decode's, not the table's
+                if host_row is not None:  # reading in place: a miss is an expert in no slot and not mapped
+                    out, _ = mapped_decode(x, index, table_row, weights, host_row, pool, act, summed=fused is None,
+                                           missed=self.missed[m])  # fmt: skip
+                else:
+                    out, missed = moe_decode(x, index, weights, table_row, pool, act)
+                    self.missed[m].copy_(missed)
             if fused is None:
                 self.hidden.add_(out.view_as(self.hidden))
             else:
