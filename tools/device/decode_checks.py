@@ -562,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="the device token's layers compiled (torch.compile)")
     ap.add_argument("--skip-layer", action="store_true", help="skip the one-layer timings (MoE, attention)")
     ap.add_argument("--only-layer", action="store_true", help="only the one-layer timings")
+    ap.add_argument("--only-mapped", action="store_true", help="only the equivalence check reading in place")
     args = ap.parse_args(argv)
     global DEVICE, COMPILE
     DEVICE, COMPILE = args.device, args.compile
@@ -572,14 +573,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             images = make_images(tmp)
-            for dtype in (torch.bfloat16,) if COMPILE else (torch.float32, torch.bfloat16):
+            for dtype in () if args.only_mapped else (torch.bfloat16,) if COMPILE else (torch.float32, torch.bfloat16):
                 for budget in ("100%", "25%"):
                     checks.run(f"equivalence {dtype} {budget}", lambda dtype=dtype, budget=budget: equivalence(
                         tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
             checks.run("equivalence bf16 25% read in place from the host tier",
                        lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
-            checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
-    if not args.skip_layer:
+            if not args.only_mapped:
+                checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
+    if not args.skip_layer and not args.only_mapped:
         checks.run("one MoE layer against its byte bound", moe_layer)
         checks.run("one layer's attention: split-KV kernel against compiled SDPA", attention_layer)
         checks.run("dense projections: the Triton GEMV against cuBLAS", dense_projections)
