@@ -32,6 +32,7 @@ from vismmoe_edge.experts.replay import TraceReplay
 from vismmoe_edge.experts.store import ShardFiles
 from vismmoe_edge.finite import check_finite
 from vismmoe_edge.kernels.dense_gemv import gemv_projections
+from vismmoe_edge.kernels.mapped_prefetch import lookahead_per_layer
 from vismmoe_edge.models.ops import PrefillOps, visual_features
 from vismmoe_edge.prefix_cache import PrefixCache, restore_prefix
 from vismmoe_edge.prefix_keys import cached_vision, has_video, keep_vision, patch_keys, pixel_keys, prompt_content
@@ -112,8 +113,10 @@ class Engine:
         self.decode_ahead = os.environ.get("VISMMOE_DECODE_AHEAD", "auto")
         # ... experts read in place that move into GPU slots after a token, at most (0: none; experts/promotion.py)
         self.promotions_per_token = promotions_per_token(os.environ.get("VISMMOE_PROMOTIONS_PER_TOKEN"))
+        # ... and the next layer's likely experts staged in HBM a layer ahead, at most (kernels/mapped_prefetch.py)
+        self.mapped_lookahead = lookahead_per_layer(os.environ.get("VISMMOE_MAPPED_LOOKAHEAD"))
         self.decode_gemv = gemv_projections()  # ... its projections on Triton GEMVs (kernels/dense_gemv.py)
-        self._decoders: dict[tuple, StaticDecoder] = {}  # (top-k, device, mapped, fused, the Triton GEMVs)
+        self._decoders: dict[tuple, StaticDecoder] = {}  # (top-k, device, mapped, fused, Triton GEMVs, lookahead)
         self.suffix_graphs = SuffixGraphs(self)
         # Vision features and prompt-prefix KV kept across requests (None: off); the loader sizes it from the plan.
         self.prefix_cache: PrefixCache | None = None
@@ -387,7 +390,7 @@ class Engine:
         on_device = self.uses_device_decode()
         mapped = on_device and reads_host_in_place(self.device_decode_mapped, self)
         fused = on_device and compiles_layers(self.compile_decode, self.device)
-        mode = (routed_k, on_device, mapped, fused, self.decode_gemv if fused else frozenset())
+        mode = (routed_k, on_device, mapped, fused, self.decode_gemv if fused else frozenset(), self.mapped_lookahead)
         decoder = self._decoders.get(mode)
         if decoder is None or decoder.cache.capacity < capacity:
             if (old := self._decoders.pop(mode, None)) is not None and old.on_device:
@@ -563,9 +566,8 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Generate a reply to `prompt` about `images`; `on_text` receives text pieces as they are decoded."""
-        return self.generate_from_inputs(
-            self.encode(prompt, images), sampling, on_text=on_text, should_stop=should_stop
-        )
+        inputs = self.encode(prompt, images)
+        return self.generate_from_inputs(inputs, sampling, on_text=on_text, should_stop=should_stop)
 
     def generate_from_inputs(
         self,
@@ -589,12 +591,8 @@ class Engine:
                 on_text(piece)
         if on_text is not None and (tail := text.finish()):
             on_text(tail)
-        if tokens and tokens[-1] in stop_ids:
-            reason = "stop_token"
-        elif len(tokens) >= sampling.max_new_tokens:
-            reason = "max_new_tokens"
-        else:
-            reason = "cancelled"
+        full = len(tokens) >= sampling.max_new_tokens
+        reason = "stop_token" if tokens and tokens[-1] in stop_ids else "max_new_tokens" if full else "cancelled"
         return GenerationResult(prompt_token_ids=inputs.input_ids[0].tolist(), token_ids=tokens, text=text.text,
                                 stop_reason=reason, timings=timings, experts=self.experts.pipeline.stats.as_dict(),
                                 compression=self.last_compression)  # fmt: skip

@@ -31,6 +31,7 @@ from vismmoe_edge.experts.promotion import count_host_reads, promote_host_reads
 from vismmoe_edge.experts.table import ExpertTable
 from vismmoe_edge.kernels.decode_layer import FusedLayers, aligned_rows, stack_every_qkv
 from vismmoe_edge.kernels.decode_layer import supports as supports_fused
+from vismmoe_edge.kernels.mapped_prefetch import Lookahead, Staging
 from vismmoe_edge.kernels.moe_decode import HAS_TRITON, mapped_decode, moe_decode, pool_decode, use_triton
 from vismmoe_edge.sampling import SamplingConfig
 from vismmoe_edge.static_cache import StaticCache
@@ -70,22 +71,23 @@ def reads_host_in_place(mode: bool | str, engine: Any) -> bool:
     return mirrors_streamed and use_triton(tier.gate_up) and tier.mirror.slot_shaped(tier.gate_up.dtype)
 
 
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+_capture_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one stream graphs are warmed up and captured on, from torch's high-priority pool.
+def capture_stream(device: torch.device, purpose: str = "capture") -> torch.cuda.Stream:
+    """The one stream graphs are warmed up and captured on, from torch's high-priority pool (purpose "capture"), or
+    the one a captured token forks its lookahead's copies onto ("lookahead": kernels/mapped_prefetch.py).
 
     torch hands out low-priority streams round-robin from a pool of 32 (c10/cuda/CUDAStream.h), so a stream taken
     per capture, or `torch.cuda.graph`'s shared default capture stream, sooner or later is the very CUDA stream an
     I/O thread copies on. That thread's DMA and slot event then land inside the capture (thread_local capture
     mode only relaxes checks, it does not keep other threads off the capturing stream), and the compute stream's
     later `wait_event` on the captured event fails with `invalid argument` (SlotPoolTier.ready). Nothing else in
-    the package takes a high-priority stream (tests/test_capture_stream.py checks), and this one is taken once.
+    the package takes a high-priority stream (tests/test_capture_stream.py checks), and each is taken once.
     """
-    stream = _capture_streams.get(device)
+    stream = _capture_streams.get((device, purpose))
     if stream is None:
-        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=-1)
+        stream = _capture_streams[(device, purpose)] = torch.cuda.Stream(device, priority=-1)
     return stream
 
 
@@ -274,7 +276,8 @@ class StaticDecoder:
     def _init_on_device(self, routed_k: int, on_gpu: bool, mapped: bool) -> None:
         """Buffers of the device-side token: the expert table, the sampler, the routing to hand back, and under
         trace replay the routing handed in. `mapped`: read experts not in a slot from the pinned host mirror in
-        place, where the mirror and the kernels allow it (ExpertTable.map_host)."""
+        place, where the mirror and the kernels allow it (ExpertTable.map_host), with `engine.mapped_lookahead` of
+        the next layer's likely ones staged in HBM a layer ahead (kernels/mapped_prefetch.py)."""
         layers = self.moe_layers = sorted(self.moe)
         num_experts = self.engine.catalogue.num_experts
         self.table = ExpertTable(len(self.lm.layers), num_experts, self.device)
@@ -282,6 +285,11 @@ class StaticDecoder:
         tier = self.engine.experts.pipeline.tier
         if mapped and on_gpu and tier.mirror is not None and tier.form is None and use_triton(tier.gate_up):
             self.mapped_experts = self.table.map_host(tier.mirror, self.engine.catalogue, tier.gate_up.dtype)
+        self.lookahead: Lookahead | None = None
+        if self.mapped_experts and (per_layer := self.engine.mapped_lookahead):
+            down = tier.gate_up[0].numel()
+            staging = Staging.allocate(per_layer, down + tier.down[0].numel(), down, tier.gate_up.dtype, self.device)
+            self.lookahead = Lookahead(staging, capture_stream(self.device, "lookahead"), len(layers), self.normed[0])
         if mapped and not self.mapped_experts:
             warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "
                           "host tier and an untransposed bf16/fp16 checkpoint): absent experts redo the token",
@@ -352,8 +360,9 @@ class StaticDecoder:
                         _, weights, index = layer.mlp.gate(x)
                     self.routing[m].copy_(index[0])
                 if host_row is not None:  # reading in place: a miss is an expert in no slot and not mapped
+                    staged = self._look_ahead(m, x)
                     out, _ = mapped_decode(x, index, table_row, weights, host_row, pool, act, summed=fused is None,
-                                           missed=self.missed[m])  # fmt: skip
+                                           missed=self.missed[m], staged=staged)  # fmt: skip
                 else:
                     out, missed = moe_decode(x, index, weights, table_row, pool, act)
                     self.missed[m].copy_(missed)
@@ -370,6 +379,17 @@ class StaticDecoder:
         self.position += 1
         parts = (self.sampler.token.view(1), self.finite.long(), self.missed.long(), self.routing.view(-1))
         self.packed.copy_(torch.cat(parts))
+
+    def _look_ahead(self, m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """MoE layer m's staged experts (waited for), after starting the next MoE layer's on the second stream."""
+        if self.lookahead is None:
+            return None
+        staged = self.lookahead.staged(m)
+        if m + 1 < len(self.moe_layers):
+            nxt = self.moe_layers[m + 1]
+            gate = self.lm.layers[nxt].mlp.gate
+            self.lookahead.stage_next(m, x, gate.weight, self.table.slots[nxt], self.table.host_addrs[nxt], gate.top_k)
+        return staged
 
     @torch.inference_mode()
     def token_step(

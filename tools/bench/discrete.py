@@ -45,6 +45,7 @@ from vismmoe_edge.experts import compute as expert_compute  # noqa: E402
 from vismmoe_edge.experts.compute import ARRIVAL_MIN_BYTES  # noqa: E402
 from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
 from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, gemv_projections  # noqa: E402
+from vismmoe_edge.kernels.mapped_prefetch import LOOKAHEAD_PER_LAYER  # noqa: E402
 
 IMAGE_SIDE = int(os.environ.get("BENCH_IMAGE_SIDE", 1056))  # 66 x 66 patches of 16 px -> 33 x 33 = 1,089 visual tokens
 # "cpu": a smoke run of the harness (`BENCH_DEVICE=cpu BENCH_IMAGE_SIDE=256 ... --layers 1 --new-tokens 4`: ~1 min)
@@ -243,7 +244,7 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
-              ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN,
+              ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN, lookahead: int = LOOKAHEAD_PER_LAYER,
               gemv: str = DEFAULT_PROJECTIONS, arrival_min_bytes: float = ARRIVAL_MIN_BYTES) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
@@ -257,6 +258,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.compile_decode = compiled  # ... with each layer's attention and router compiled (decode_layer.py)
     engine.decode_ahead = ahead  # ... each token launched before the host reads the one before it
     engine.promotions_per_token = promotions  # ... and up to this many experts it read in place moved into slots
+    engine.mapped_lookahead = lookahead  # ... and this many of the next layer's likely ones staged a layer ahead
     engine.decode_gemv = gemv_projections(gemv)  # ... the compiled projections on the Triton GEMV (dense_gemv.py)
     # a layer with this many bytes still being read computes its experts as they land (experts/arrival.py); inf:
     # it waits for every read, as before
@@ -559,7 +561,8 @@ def main() -> None:
                     "(no Triton GEMV), device-resident-compiled-o-cublas (o_proj on cuBLAS: the default before run "
                     "15), device-resident-compiled-qkv-cublas (qkv on cuBLAS: the default before run 16), "
                     "device-popularity, device-mapped, "
-                    "device-mapped-promotion-8, "
+                    "device-mapped-promotion-8, device-mapped-lookahead-2 (the next layer's likely experts "
+                    "staged in HBM a layer ahead), "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, unified-slots-next-layer-gate (prefetching by the next layer's router), "
                     "unified-slots-wait-all (each layer waits for its last read before computing), "
@@ -632,7 +635,7 @@ def main() -> None:
                      "device-resident-compiled-qkv-cublas"}:  # fmt: skip
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
-                       "device-mapped-promotion-8", "budget-default"}  # fmt: skip
+                       "device-mapped-promotion-8", "device-mapped-lookahead-2", "budget-default"}  # fmt: skip
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
@@ -671,6 +674,9 @@ def main() -> None:
                 # the same with up to 8 experts read in place promoted into slots a token (off by default since
                 # run 8): do promotions pay for their bus bytes?
                 ("budget", "device-mapped-promotion-8", {"device_decode": "on", "mapped": True, "promotions": 8}),
+                # the same with up to 2 of the next layer's predicted experts a layer copied into HBM while this
+                # layer computes (kernels/mapped_prefetch.py): does the lookahead hide bus reads behind compute?
+                ("budget", "device-mapped-lookahead-2", {"device_decode": "on", "mapped": True, "lookahead": 2}),
                 # the engine's own choices at this budget (device path, in-place reads, compiled layers: "auto")
                 ("budget", "budget-default", {"device_decode": "auto", "mapped": "auto", "compiled": "auto"}),
             ]
@@ -723,10 +729,14 @@ def main() -> None:
                 engines["budget"].device_decode = "off"
                 profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
                 print("profile", profiles[-1], flush=True)
-                if "device-mapped" in wanted:  # where a 20 GiB device token's time goes
+                for row, per_layer in (("device-mapped", 0), ("device-mapped-lookahead-2", 2)):
+                    if row not in wanted:  # where a 20 GiB device token's time goes
+                        continue
                     engines["budget"].device_decode, engines["budget"].device_decode_mapped = "on", True
+                    engines["budget"].mapped_lookahead = per_layer
                     mapped = profile_decode(engines["budget"], image, replay)
-                    profiles.append({"engine": "20 GiB, device path, misses read in place", **mapped})
+                    staged = f", {per_layer} a layer staged ahead" if per_layer else ""
+                    profiles.append({"engine": f"20 GiB, device path, misses read in place{staged}", **mapped})
                     print("profile", profiles[-1], flush=True)
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"

@@ -55,8 +55,10 @@ def _engine(model_dir: Path, budget: str, pinned_layers: int = 1):  # type: igno
     return engine
 
 
-def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, *, mapped: bool = False) -> dict:
-    """`mapped`: experts not in a slot read in place from the pinned host tier (an untransposed checkpoint)."""
+def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, *, mapped: bool = False,
+                lookahead: int = 0) -> dict:  # fmt: skip
+    """`mapped`: experts not in a slot read in place from the pinned host tier (an untransposed checkpoint);
+    `lookahead`: with that many of the next layer's likely ones staged in HBM a layer ahead (mapped_prefetch.py)."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from vismmoe_edge.sampling import SamplingConfig
@@ -67,6 +69,7 @@ def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, 
                                       layout=layout, num_layers=8)  # fmt: skip
     engine = _engine(model_dir, budget)
     engine.device_decode_mapped = mapped
+    engine.mapped_lookahead = lookahead
     ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
     ref = ref.to(DEVICE).eval()
     out: dict = {"prompts": {}}
@@ -97,6 +100,10 @@ def equivalence(tmp: Path, images: list[Path], dtype: torch.dtype, budget: str, 
     ok &= out["fused"] == COMPILE and out["compiled"] == (COMPILE and DEVICE == "cuda")
     if mapped:  # every streamed expert is in the host tier: no token may miss
         ok &= out["mapped_experts"] > 0 and out["tokens_redone"] == 0
+    if lookahead:  # the decoder took the lookahead; what its last token left staged (the last two layers), reported
+        staged = [d.lookahead.staging.ids for d in decoders if d.lookahead is not None]
+        out["staged_in_last_token"] = sum(int((ids >= 0).sum()) for ids in staged)
+        ok &= bool(staged)
     return {"ok": ok and bool(decoders), **out}
 
 
@@ -579,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                         tmp, images, dtype, budget), needs_cuda=DEVICE == "cuda")  # fmt: skip
             checks.run("equivalence bf16 25% read in place from the host tier",
                        lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True))  # fmt: skip
+            checks.run("equivalence bf16 25% read in place, 2 experts a layer staged a layer ahead",
+                       lambda: equivalence(tmp, images, torch.bfloat16, "25%", mapped=True, lookahead=2))  # fmt: skip
             if not args.only_mapped:
                 checks.run("host syncs per resident device token", lambda: host_syncs(tmp, images))
     if not args.skip_layer and not args.only_mapped:

@@ -95,16 +95,19 @@ def mapped_decode(
     *,
     summed: bool = True,
     missed: torch.Tensor | None = None,
+    staged: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each routed expert read where it is: its slot in the pool, else its slot-shaped copy in mapped pinned host
-    memory. Two kernels (`_gemv_mapped_kernel`): each program looks its expert up in the table and the host row
-    itself, so no address tensor is built between them (run 17's profile: the lookup and the sum in torch were ~15
-    small kernels a layer, ~1.9 ms of a 30B-A3B token's GPU time against the resident token's fused layer). For SiLU
-    experts the down GEMV computes silu(gate) * up as it loads its input and scales each expert's rows by its
-    routing weight, as the slot GEMVs do. Not `summed`: each expert's weighted output [k, H] in float32, for the
-    caller to sum where it fuses the sum (kernels/decode_layer.py). The miss flag (an expert in no slot and not
-    mapped: the token is garbage and is redone) is written into `missed` [] bool where given (the token's row),
-    by the gate_up kernel's first program."""
+    """Each routed expert read where it is: its slot in the pool, else its copy staged in HBM by the lookahead
+    (`staged`: ids [P] int32, records [P, expert elements], where a record's down part starts:
+    kernels/mapped_prefetch.py), else its slot-shaped copy in mapped pinned host memory. Two kernels
+    (`_gemv_mapped_kernel`): each program looks its expert up in the table and the host row itself, so no address
+    tensor is built between them (run 17's profile: the lookup and the sum in torch were ~15 small kernels a layer,
+    ~1.9 ms of a 30B-A3B token's GPU time against the resident token's fused layer). For SiLU experts the down GEMV
+    computes silu(gate) * up as it loads its input and scales each expert's rows by its routing weight, as the slot
+    GEMVs do. Not `summed`: each expert's weighted output [k, H] in float32, for the caller to sum where it fuses
+    the sum (kernels/decode_layer.py). The miss flag (an expert in no slot and not mapped: the token is garbage and
+    is redone) is written into `missed` [] bool where given (the token's row), by the gate_up kernel's first
+    program."""
     import triton
 
     gate_up, down = pool.gate_up, pool.down
@@ -116,10 +119,14 @@ def mapped_decode(
     flag = torch.empty((), dtype=torch.bool, device=x.device) if missed is None else missed
     silu = is_silu(act)
     h = torch.empty(k, gate_up.shape[1], dtype=torch.float32, device=x.device)
-    common = dict(IS_BF16=gate_up.dtype == torch.bfloat16, TOP_K=k, K_P2=triton.next_power_of_2(k), **MAPPED_BLOCKS)
+    staged_ids, records, down_at = staged if staged is not None else (ids, gate_up, 0)  # (unread: STAGED 0)
+    count = staged_ids.shape[0] if staged is not None else 0
+    common = dict(IS_BF16=gate_up.dtype == torch.bfloat16, TOP_K=k, K_P2=triton.next_power_of_2(k), STAGED=count,
+                  STAGED_P2=triton.next_power_of_2(max(count, 1)), **MAPPED_BLOCKS)  # fmt: skip
+    stage = (staged_ids, records, records.stride(0) if staged is not None else 0)
     _kernels()[2][(k, triton.cdiv(h.shape[1], MAPPED_BLOCKS["BLOCK_N"]))](
         gate_up, table_row, ids, host_row, x.view(-1), mix, h, flag, h.shape[1], gate_up.shape[2], 0,
-        gate_up.stride(0), 0, SILU=False, ROUND=0, WRITE_MISSED=True, **common,
+        gate_up.stride(0), 0, *stage, 0, SILU=False, ROUND=0, WRITE_MISSED=True, **common,
     )  # fmt: skip
     if not silu:
         gate, up = h.chunk(2, dim=-1)
@@ -127,7 +134,7 @@ def mapped_decode(
     y = torch.empty(k, down.shape[1], dtype=torch.float32, device=x.device)
     _kernels()[2][(k, triton.cdiv(y.shape[1], MAPPED_BLOCKS["BLOCK_N"]))](
         down, table_row, ids, host_row, h, mix, y, flag, y.shape[1], down.shape[2], h.stride(0), down.stride(0), 1,
-        SILU=silu, ROUND=ROUNDING.get(x.dtype, 0), WRITE_MISSED=False, **common,
+        *stage, down_at, SILU=silu, ROUND=ROUNDING.get(x.dtype, 0), WRITE_MISSED=False, **common,
     )  # fmt: skip
     if not silu:
         y = y * mix[:, None].float()
@@ -352,12 +359,14 @@ def _kernels():  # type: ignore[no-untyped-def]
 
     @triton.jit
     def _gemv_mapped_kernel(pool, table_row, ids, host_row, v, mix, out, missed, N, K, stride_v, stride_slot, part,
-                            SILU: tl.constexpr, ROUND: tl.constexpr, IS_BF16: tl.constexpr, TOP_K: tl.constexpr,
-                            K_P2: tl.constexpr, WRITE_MISSED: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        # one program: expert e's rows [BLOCK_N] of matrix `part` (0 gate_up, 1 down), from its slot or, absent
-        # from the slots, from the host address the host row gives (0: unmapped, slot 0 is read and the token
-        # is redone)
+                            staged_ids, records, stride_record, record_at, SILU: tl.constexpr, ROUND: tl.constexpr,
+                            IS_BF16: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, STAGED: tl.constexpr,
+                            STAGED_P2: tl.constexpr, WRITE_MISSED: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):  # fmt: skip
+        # one program: expert e's rows [BLOCK_N] of matrix `part` (0 gate_up, 1 down), from its slot; absent from
+        # the slots, from its staged record (STAGED > 0: the lookahead's copies, `record_at` elements into the
+        # record), else from the host address the host row gives (0: unmapped, slot 0 is read and the token is
+        # redone)
         e = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         expert = tl.load(ids + e).to(tl.int64)
@@ -365,6 +374,12 @@ def _kernels():  # type: ignore[no-untyped-def]
         host = tl.load(host_row + expert * 2 + part)
         in_pool = pool.to(tl.int64) + tl.maximum(slot, 0) * stride_slot * 2  # bf16 or fp16: 2 bytes an element
         address = tl.where((slot >= 0) | (host == 0), in_pool, host)
+        if STAGED > 0:
+            s = tl.arange(0, STAGED_P2)
+            staged = tl.load(staged_ids + s, mask=s < STAGED, other=-1) == expert
+            at = tl.max(tl.where(staged & (s < STAGED), s, -1), axis=0)
+            in_record = records.to(tl.int64) + (tl.maximum(at, 0).to(tl.int64) * stride_record + record_at) * 2
+            address = tl.where((slot < 0) & (at >= 0), in_record, address)
         if IS_BF16:
             base = address.to(tl.pointer_type(tl.bfloat16))
         else:
