@@ -7,7 +7,7 @@
 #     card, decode_checks.sh unified with the time left (unified-slots against its bus bound, computing experts as
 #     their reads land against waiting for every read).
 # Carry `.whl` and `.carry`; tar $OUT after it. Then, on the warm machine:
-#   BENCH_STRATS=device-mapped,budget-default,device-resident LIMIT=540 bash tools/device/decode_checks.sh bench
+#   BENCH_STRATS=device-mapped,device-mapped-lookahead-2,budget-default LIMIT=540 bash tools/device/decode_checks.sh bench
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
