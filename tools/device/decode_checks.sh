@@ -151,7 +151,7 @@ bench|bench-int4)
     BASE_RESERVE=${BASE_RESERVE_S:-130}
     BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-120}
     timeout "$(upto $((10 + BF16_RESERVE + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
-        --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings sampled,trace-replay \
+        --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings "${ROUTINGS:-sampled,trace-replay}" \
         "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
         | tee "$OUT/discrete-$MODE.log" | grep -v '^ *[]["{}0-9-]' | tail -40
     if [ "$MODE" = bench-int4 ]; then
