@@ -34,8 +34,8 @@ CHUNK = 8192
 
 @dataclass
 class Staging:
-    """Two areas of `per_layer` expert records each (the host mirror's layout: gate_up then down, untransposed),
-    the ids staged in each (-1: none), and the events that say an area's copies are done."""
+    """Two areas of `per_layer` expert records each (the host mirror's layout: gate_up then down, untransposed) and
+    the ids staged in each (-1: none)."""
 
     records: torch.Tensor  # [2, per_layer, expert elements] in the compute dtype
     ids: torch.Tensor  # [2, per_layer] int32
@@ -50,10 +50,6 @@ class Staging:
     @property
     def per_layer(self) -> int:
         return self.records.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.records.nbytes + self.ids.nbytes
 
 
 def predict_and_stage(
