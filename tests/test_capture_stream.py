@@ -2,8 +2,9 @@
 SlotPoolTier.ready): a static check that runs without a GPU.
 
 torch gives out low-priority streams round-robin from a pool of 32, so any two `torch.cuda.Stream()` calls may be
-the same CUDA stream. The decoder captures on one stream from the high-priority pool (static_decode.capture_stream);
-this holds only while no other stream in the package is high-priority and every capture names that stream.
+the same CUDA stream. The decoder captures on one stream from the high-priority pool (static_decode.capture_stream),
+and a captured token forks its lookahead onto a second one taken there too (purpose "lookahead"); this holds only
+while no other stream in the package is high-priority and every capture names the capture stream.
 """
 
 from __future__ import annotations
