@@ -257,17 +257,19 @@ def gemv(
 
 _compiled: tuple | None = None
 signed_byte: Any = None  # triton_codes.signed_byte, bound by _kernels() (which imports Triton)
+expert_input: Any = None  # triton_inputs.expert_input, likewise
 
 
 def _kernels():  # type: ignore[no-untyped-def]
     """The Triton kernels, defined on first use (importing triton costs ~1 s, and CPU hosts have none)."""
-    global _compiled, signed_byte  # (a module global: Triton resolves a kernel's helpers there)
+    global _compiled, signed_byte, expert_input  # (module globals: Triton resolves a kernel's helpers there)
     if _compiled is not None:
         return _compiled
     import triton
     import triton.language as tl
 
     from vismmoe_edge.kernels.triton_codes import signed_byte
+    from vismmoe_edge.kernels.triton_inputs import expert_input
 
     def tuned(fn):  # type: ignore[no-untyped-def]
         """GEMV blocks chosen per (N, K) by timing on the first call, which the decoder makes before capture. The
@@ -309,16 +311,7 @@ def _kernels():  # type: ignore[no-untyped-def]
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0)
-                up = tl.load(v + e * stride_v + K + cols, mask=cols < K, other=0.0)
-                a = gate * tl.sigmoid(gate) * up
-                if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
-                    a = a.to(tl.bfloat16).to(tl.float32)
-                elif ROUND == 2:  # (float32 compute keeps it)
-                    a = a.to(tl.float16).to(tl.float32)
-            else:  # (stride_v 0: one input for every expert)
-                a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
+            a = expert_input(v, e, stride_v, cols, K, SILU, ROUND)  # SILU: silu(gate) * up from [gate | up]
             ptrs = base + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
             if INT8:  # the same values as an int-to-float conversion, without one per weight (triton_codes.py)
@@ -394,16 +387,7 @@ def _kernels():  # type: ignore[no-untyped-def]
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            if SILU:  # v holds [gate (K) | up (K)] per expert, float32
-                gate = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0)
-                up = tl.load(v + e * stride_v + K + cols, mask=cols < K, other=0.0)
-                a = gate * tl.sigmoid(gate) * up
-                if ROUND == 1:  # the inner activation in the compute dtype, as the torch path rounds it
-                    a = a.to(tl.bfloat16).to(tl.float32)
-                elif ROUND == 2:
-                    a = a.to(tl.float16).to(tl.float32)
-            else:  # (stride_v 0: one input for every expert)
-                a = tl.load(v + e * stride_v + cols, mask=cols < K, other=0.0).to(tl.float32)
+            a = expert_input(v, e, stride_v, cols, K, SILU, ROUND)  # SILU: silu(gate) * up from [gate | up]
             ptrs = base + rows[:, None].to(tl.int64) * K + cols[None, :]
             b = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
