@@ -492,6 +492,13 @@ def test_decode_switches_refuse_unknown_values(checkpoints, monkeypatch: pytest.
         promotions_per_token("-1")
     monkeypatch.setenv("VISMMOE_PROMOTIONS_PER_TOKEN", "0")
     assert vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu").promotions_per_token == 0
+    from vismmoe_edge.kernels.mapped_prefetch import LOOKAHEAD_PER_LAYER, lookahead_per_layer
+
+    assert lookahead_per_layer(None) == LOOKAHEAD_PER_LAYER and lookahead_per_layer("2") == 2
+    with pytest.raises(VismmoeError, match="VISMMOE_MAPPED_LOOKAHEAD='two': use a whole number >= 0"):
+        lookahead_per_layer("two")
+    monkeypatch.setenv("VISMMOE_MAPPED_LOOKAHEAD", "3")
+    assert vismmoe_edge.load(checkpoints["v5"], memory_budget="100%", device="cpu").mapped_lookahead == 3
 
 
 def test_tokens_run_ahead_where_no_token_can_miss() -> None:
