@@ -287,8 +287,9 @@ class StaticDecoder:
             self.mapped_experts = self.table.map_host(tier.mirror, self.engine.catalogue, tier.gate_up.dtype)
         self.lookahead: Lookahead | None = None
         if self.mapped_experts and (per_layer := self.engine.mapped_lookahead):
-            down = tier.gate_up[0].numel()
-            staging = Staging.allocate(per_layer, down + tier.down[0].numel(), down, tier.gate_up.dtype, self.device)
+            down_at = tier.gate_up[0].numel()  # a record is gate_up then down, as the host mirror holds it
+            record = down_at + tier.down[0].numel()
+            staging = Staging.allocate(per_layer, record, down_at, tier.gate_up.dtype, self.device)
             self.lookahead = Lookahead(staging, capture_stream(self.device, "lookahead"), len(layers), self.normed[0])
         if mapped and not self.mapped_experts:
             warnings.warn("experts cannot be read in place from host memory here (needs CUDA, Triton, the pinned "

@@ -729,8 +729,9 @@ def main() -> None:
                 engines["budget"].device_decode = "off"
                 profiles.append({"engine": "20 GiB, host path", **profile_decode(engines["budget"], image, replay)})
                 print("profile", profiles[-1], flush=True)
+                # where a 20 GiB device token's time goes, reading in place without and with the lookahead
                 for row, per_layer in (("device-mapped", 0), ("device-mapped-lookahead-2", 2)):
-                    if row not in wanted:  # where a 20 GiB device token's time goes
+                    if row not in wanted:
                         continue
                     engines["budget"].device_decode, engines["budget"].device_decode_mapped = "on", True
                     engines["budget"].mapped_lookahead = per_layer
