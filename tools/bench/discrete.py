@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vismmoe_edge.experts import compute as expert_compute  # noqa: E402
 from vismmoe_edge.experts.compute import ARRIVAL_MIN_BYTES  # noqa: E402
 from vismmoe_edge.experts.promotion import PROMOTIONS_PER_TOKEN  # noqa: E402
+from vismmoe_edge.experts.recency import PROMPT_HALF_LIFE_TOKENS  # noqa: E402
 from vismmoe_edge.kernels.dense_gemv import DEFAULT_PROJECTIONS, gemv_projections  # noqa: E402
 from vismmoe_edge.kernels.mapped_prefetch import LOOKAHEAD_PER_LAYER  # noqa: E402
 
@@ -245,7 +246,8 @@ def set_predictor(engine, name: str, predictor_file: Path | None) -> None:
 def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: int, *, policy: str = "popularity",
               graphs: bool = True, device_decode: str = "off", mapped: bool | str = False, compiled: bool | str = False,
               ahead: str = "auto", promotions: int = PROMOTIONS_PER_TOKEN, lookahead: int = LOOKAHEAD_PER_LAYER,
-              gemv: str = DEFAULT_PROJECTIONS, arrival_min_bytes: float = ARRIVAL_MIN_BYTES) -> dict:  # fmt: skip
+              gemv: str = DEFAULT_PROJECTIONS, arrival_min_bytes: float = ARRIVAL_MIN_BYTES,
+              prompt_half_life: float = PROMPT_HALF_LIFE_TOKENS) -> dict:  # fmt: skip
     from vismmoe_edge.sampling import SamplingConfig
 
     pipeline = engine.experts.pipeline
@@ -260,6 +262,7 @@ def run_trial(engine, image: Path, new_tokens: int, replay: Path | None, seed: i
     engine.promotions_per_token = promotions  # ... and up to this many experts it read in place moved into slots
     engine.mapped_lookahead = lookahead  # ... and this many of the next layer's likely ones staged a layer ahead
     engine.decode_gemv = gemv_projections(gemv)  # ... the compiled projections on the Triton GEMV (dense_gemv.py)
+    engine.experts.prompt_half_life = prompt_half_life  # the prefill's experts ranked, last tokens first (recency.py)
     # a layer with this many bytes still being read computes its experts as they land (experts/arrival.py); inf:
     # it waits for every read, as before
     expert_compute.ARRIVAL_MIN_BYTES = arrival_min_bytes
@@ -562,7 +565,8 @@ def main() -> None:
                     "15), device-resident-compiled-qkv-cublas (qkv on cuBLAS: the default before run 16), "
                     "device-popularity, device-mapped, "
                     "device-mapped-promotion-8, device-mapped-lookahead-2 (the next layer's likely experts "
-                    "staged in HBM a layer ahead), "
+                    "staged in HBM a layer ahead), device-mapped-flat-prompt (the slots' first experts by the "
+                    "prompt's plain counts, as before run 20), "
                     "budget-default (the engine's own choices at the budget), "
                     "unified-slots, unified-slots-next-layer-gate (prefetching by the next layer's router), "
                     "unified-slots-wait-all (each layer waits for its last read before computing), "
@@ -574,6 +578,9 @@ def main() -> None:
                     help="every device-* row with its layers compiled (engine.compile_decode)")
     ap.add_argument("--worker", choices=list(BASELINES), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = set(args.routings.split(",")) - {"sampled", "trace-replay"}
+    if unknown:  # run 20 lost a GPU call's rows to "replay": no row matched, and nothing said so
+        ap.error(f"--routings {args.routings!r}: unknown {sorted(unknown)}; use sampled and/or trace-replay")
     args.strategies_given = args.strategies is not None
     if args.strategies is None:
         args.strategies = ("all-resident,popularity,lru,graphs-off,learned,device-resident,device-popularity,"
@@ -635,7 +642,8 @@ def main() -> None:
                      "device-resident-compiled-qkv-cublas"}:  # fmt: skip
             engines["all-resident"] = load_engine(model_dir, "100%", pinned_layers=args.layers, host_tier=False)
         budget_rows = {"popularity", "lru", "graphs-off", "learned", "device-popularity", "device-mapped",
-                       "device-mapped-promotion-8", "device-mapped-lookahead-2", "budget-default"}  # fmt: skip
+                       "device-mapped-promotion-8", "device-mapped-lookahead-2", "device-mapped-flat-prompt",
+                       "budget-default"}  # fmt: skip
         if wanted & budget_rows:
             engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
         for name in UNIFIED:
@@ -677,6 +685,10 @@ def main() -> None:
                 # the same with up to 2 of the next layer's predicted experts a layer copied into HBM while this
                 # layer computes (kernels/mapped_prefetch.py): does the lookahead hide bus reads behind compute?
                 ("budget", "device-mapped-lookahead-2", {"device_decode": "on", "mapped": True, "lookahead": 2}),
+                # the same with the prefill's experts ranked by plain counts (before run 20): what ranking the
+                # prompt's last tokens first (experts/recency.py) saves in bus reads
+                ("budget", "device-mapped-flat-prompt", {"device_decode": "on", "mapped": True,
+                                                         "prompt_half_life": 0.0}),  # fmt: skip
                 # the engine's own choices at this budget (device path, in-place reads, compiled layers: "auto")
                 ("budget", "budget-default", {"device_decode": "auto", "mapped": "auto", "compiled": "auto"}),
             ]
@@ -689,7 +701,10 @@ def main() -> None:
             # the same tier with every layer waiting for its last read before computing (before experts/arrival.py)
             configs.append(("unified-slots", "unified-slots-wait-all", {"arrival_min_bytes": math.inf}))
             configs += [(name, f"device-{name}", {"device_decode": "on"}) for name in UNIFIED]
-            configs = [c for c in configs if c[1] in wanted]
+            # in the order --strategies names them: a row's place in each round is the caller's to choose (run
+            # 20's qkv-cublas row ran last in every round and came out 2.9% faster)
+            named = args.strategies.split(",")
+            configs = sorted((c for c in configs if c[1] in wanted), key=lambda c: named.index(c[1]))
             trials: dict[str, list[dict]] = {name: [] for _, name, _ in configs}
             for seed in range(args.repeats):  # interleaved, so that drifts hit every strategy alike
                 for engine_name, name, kw in configs:
@@ -735,10 +750,17 @@ def main() -> None:
                         continue
                     engines["budget"].device_decode, engines["budget"].device_decode_mapped = "on", True
                     engines["budget"].mapped_lookahead = per_layer
+                    engines["budget"].experts.prompt_half_life = PROMPT_HALF_LIFE_TOKENS  # a trial may have set 0
                     mapped = profile_decode(engines["budget"], image, replay)
                     staged = f", {per_layer} a layer staged ahead" if per_layer else ""
                     profiles.append({"engine": f"20 GiB, device path, misses read in place{staged}", **mapped})
                     print("profile", profiles[-1], flush=True)
+            if "unified-slots" in wanted and "unified-slots" in engines and "unified-slots" not in failed:
+                # where its token's time goes (run 20: 89.6 ms against a 34 ms bus bound): the engine's own path
+                set_predictor(engines["unified-slots"], "none", None)
+                expert_compute.ARRIVAL_MIN_BYTES = ARRIVAL_MIN_BYTES  # the wait-all row's trials set it to inf
+                profiles.append({"engine": "unified-slots", **profile_decode(engines["unified-slots"], image, replay)})
+                print("profile", profiles[-1], flush=True)
             if "all-resident" in engines:  # the device path where it runs by default: every expert resident
                 engines["all-resident"].device_decode = "auto"
                 engines["all-resident"].compile_decode = False

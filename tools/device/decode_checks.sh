@@ -150,10 +150,16 @@ bench|bench-int4)
     # keeps most of its GPU memory (runs 13 and 16: the baseline's 57 GB found 20 GB free on an 80 GB H100)
     BASE_RESERVE=${BASE_RESERVE_S:-130}
     BF16_RESERVE=0; [ "$MODE" = bench-int4 ] && BF16_RESERVE=${BF16_RESERVE_S:-120}
-    timeout "$(upto $((10 + BF16_RESERVE + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
+    ROWS_S=$(upto $((10 + BF16_RESERVE + BASE_RESERVE)))
+    # run 20 lost its int4 rows to a LIMIT of 420: the rows had 60 s, too few for one trial, and nothing said so
+    [ "$ROWS_S" -lt 150 ] && echo "warning: the rows get ${ROWS_S} s after the ${BF16_RESERVE}+${BASE_RESERVE} s kept" \
+        "for the steps after them: raise LIMIT or lower BF16_RESERVE_S / BASE_RESERVE_S"
+    timeout "$ROWS_S" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
         --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings "${ROUTINGS:-sampled,trace-replay}" \
         "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
         | tee "$OUT/discrete-$MODE.log" | grep -v '^ *[]["{}0-9-]' | tail -40
+    [ "${PIPESTATUS[0]}" -eq 124 ] && echo "the rows were stopped by their ${ROWS_S} s limit" \
+        "(a routing whose rows all ended is in the JSON)"
     if [ "$MODE" = bench-int4 ]; then
         echo "== same call: bf16 every expert resident (device path, compiled)"
         timeout "$(upto $((5 + BASE_RESERVE)))" python3 tools/bench/discrete.py --out-dir /tmp/bench --layers 48 \
@@ -177,7 +183,8 @@ unified)
     # can miss), the same with each layer waiting for its last read before computing any expert
     # (`unified-slots-wait-all`: as before experts/arrival.py), and the first with the next layer's router
     # prefetching (`unified-slots-next-layer-gate`: fills of the next layer's likely experts overlap this layer's
-    # kernels). The device path forced (`device-unified-slots`, a token that misses redone per layer) ran in runs
+    # kernels); then a profile of the first (where its token's time goes: run 20 took 89.6 ms against a 34 ms
+    # bound). The device path forced (`device-unified-slots`, a token that misses redone per layer) ran in runs
     # 10 and 11, 18-26% slower than the first row.
     DIR=/dev/shm/bench-unified
     avail=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -1)

@@ -4,8 +4,10 @@
 #   - the read-in-place equivalence checks with compiled layers, with and without the lookahead
 #     (decode_checks.py --compile --only-mapped): the device token's mapped layer under the near-tie rule, before any
 #     row of it is timed;
-#   - decode_checks.sh bench with the time left: the rows reading in place without and with the lookahead
-#     (BENCH_STRATS), sampled routing (ROUTINGS), then transformers' static cache in the same call.
+#   - decode_checks.sh bench with the time left: the rows reading in place with the slots' first experts ranked by
+#     the prompt's last tokens first (the default since run 20) and by its plain counts (BENCH_STRATS), sampled and
+#     replayed routing (ROUTINGS), then transformers' static cache in the same call. (Run 20 compared the
+#     lookahead here: BENCH_STRATS=device-mapped,device-mapped-lookahead-2 ROUTINGS=sampled.)
 # Carry `.whl` and `.carry`; tar $OUT after it.
 #   bash tools/device/mapped_call.sh
 set -uo pipefail
@@ -24,6 +26,7 @@ timeout "${CHECK_S:-180}" python3 tools/device/decode_checks.py --compile --only
     --out "$OUT/mapped_checks.json" 2>&1 | grep "^\[" | tail -8
 left=$((TOTAL - ($(date +%s) - T0)))
 echo "== bench with $left s left"
-BENCH_STRATS=${BENCH_STRATS:-device-mapped,device-mapped-lookahead-2} ROUTINGS=${ROUTINGS:-sampled} LIMIT=$left \
+BENCH_STRATS=${BENCH_STRATS:-device-mapped,device-mapped-flat-prompt} ROUTINGS=${ROUTINGS:-sampled,trace-replay} \
+    LIMIT=$left \
     bash "$(dirname "$0")/decode_checks.sh" bench
 echo "mapped_call.sh took $(( $(date +%s) - T0 )) s"

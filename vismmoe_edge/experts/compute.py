@@ -15,6 +15,7 @@ from vismmoe_edge.experts.arrival import RowForm, compute_as_they_arrive, row_fo
 from vismmoe_edge.experts.pipeline import ExpertKey, ExpertPipeline
 from vismmoe_edge.experts.pool_compute import decode_experts, expert_mlp, grouped_mm_works, prefill_experts
 from vismmoe_edge.experts.quant_pool import pool_forward
+from vismmoe_edge.experts.recency import PROMPT_HALF_LIFE_TOKENS, prompt_shares
 from vismmoe_edge.experts.store import ExpertWeights
 from vismmoe_edge.quant.kernels import QuantizedExpert, expert_forward
 
@@ -51,6 +52,7 @@ class ExpertRuntime:
     lock_report: object | None = None  # unified memory: what of the pinned prefix mlock could hold
     predictor_worker: Any = None  # a PredictorWorker: the predictor runs beside compute instead
     counted_rows: torch.Tensor | None = None  # [T] bool: rows that count hits (a captured suffix's padding does not)
+    prompt_half_life: float = PROMPT_HALF_LIFE_TOKENS  # a prefill's popularity weighs its last tokens most (recency.py)
 
 
 class OffloadedExperts(nn.Module):
@@ -114,8 +116,8 @@ class OffloadedExperts(nn.Module):
         rt, pipeline = self.runtime, self.runtime.pipeline
         for hook in rt.route_hooks:
             hook(self.layer, hidden, top_k_index, top_k_weights)
-        experts, counts = torch.unique(index_cpu, return_counts=True)
-        order = pipeline.begin_layer(self.layer, experts.tolist(), (counts / index_cpu.shape[0]).tolist())
+        experts, shares = prompt_shares(index_cpu, rt.prompt_half_life)
+        order = pipeline.begin_layer(self.layer, experts.tolist(), shares.tolist())
         if rt.predictor_worker is not None:
             start = time.perf_counter()
             rt.predictor_worker.submit(self.layer, hidden, index_cpu)  # already on the host: no second sync

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, Predictor
 from vismmoe_edge.experts.pipeline import ExpertPipeline
 from vismmoe_edge.experts.predictor_worker import PredictorWorker
+from vismmoe_edge.experts.recency import prompt_half_life
 from vismmoe_edge.experts.store import ExpertStore
 from vismmoe_edge.experts.tiers.host_mirror import HostMirror
 from vismmoe_edge.experts.tiers.registry import resolve_auto, tier_kind
@@ -71,7 +74,8 @@ def build_runtime(
         io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,
     )
-    return ExpertRuntime(pipeline=pipeline, lock_report=lock_report)
+    half_life = prompt_half_life(os.environ.get("VISMMOE_PROMPT_HALF_LIFE"))
+    return ExpertRuntime(pipeline=pipeline, lock_report=lock_report, prompt_half_life=half_life)
 
 
 def resident_layers(
