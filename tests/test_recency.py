@@ -73,9 +73,12 @@ def test_the_engine_passes_a_prefills_weighted_shares_to_the_pipeline(checkpoint
         engine.close()
 
 
-def test_a_bad_half_life_is_one_line() -> None:
+def test_a_bad_half_life_is_one_line(checkpoints, monkeypatch) -> None:
     assert prompt_half_life(None) == PROMPT_HALF_LIFE_TOKENS and prompt_half_life("0") == 0.0
     assert prompt_half_life("64.5") == 64.5
     for bad in ("-1", "soon", "inf", "nan"):
         with pytest.raises(VismmoeError, match=f"VISMMOE_PROMPT_HALF_LIFE={bad!r}: use a number of tokens >= 0"):
             prompt_half_life(bad)
+    monkeypatch.setenv("VISMMOE_PROMPT_HALF_LIFE", "-3")
+    with pytest.raises(VismmoeError, match="VISMMOE_PROMPT_HALF_LIFE='-3'"):  # at load, before the experts
+        vismmoe_edge.load(checkpoints["v5"], memory_budget="25%", device="cpu", tier="host")

@@ -40,6 +40,9 @@ def prompt_shares(index: torch.Tensor, half_life: float) -> tuple[torch.Tensor, 
     fraction of the step's tokens routed to each, the last token weighing 1 and one `half_life` tokens before it
     1/2 (0: each token 1, the plain fraction). One token: a share of 1 for each of its experts."""
     tokens = index.shape[0]
+    if tokens == 1:  # a decode step, once a layer: no weights to build (they cost ~50 us a layer on the host)
+        experts = torch.unique(index)
+        return experts, torch.ones(experts.numel(), dtype=torch.float64)
     if half_life > 0:
         age = torch.arange(tokens - 1, -1, -1, dtype=torch.float64)
         weight = torch.exp2(-age / half_life)

@@ -34,6 +34,7 @@ def build_runtime(
 
     `host_tier` (CUDA slot pools): mirror every streamed expert in pinned host memory, filled now, so that a miss
     is one DMA; the planner asks for it where host RAM holds them all."""
+    half_life = prompt_half_life(os.environ.get("VISMMOE_PROMPT_HALF_LIFE"))  # a bad value fails before any work
     kind = tier_kind(resolve_auto(tier, store.device.type))
     per_expert = store.expert_nbytes()
     num_experts = store.catalogue.num_experts
@@ -74,7 +75,6 @@ def build_runtime(
         io_workers=4 if store.device.type == "cuda" else 1,  # CUDA: parallel memcpy into pinned staging
         policy=policy,
     )
-    half_life = prompt_half_life(os.environ.get("VISMMOE_PROMPT_HALF_LIFE"))
     return ExpertRuntime(pipeline=pipeline, lock_report=lock_report, prompt_half_life=half_life)
 
 
