@@ -351,7 +351,7 @@ def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter(act) -> No
     host_row[3] = torch.tensor([record.data_ptr(), record.data_ptr() + host_gate_up.nbytes])
     weights = torch.tensor([[0.5, 0.3, 0.2]]).to(torch.bfloat16)
     index = torch.tensor([[4, 3, 1]])
-    out, missed = md.moe_decode(x, index, weights, table, pool, act, host_row)
+    out, missed = md.mapped_decode(x, index, table, weights, host_row, pool, act)
     assert not bool(missed)
     w_gate_up = torch.stack([pool.gate_up[0], host_gate_up, pool.gate_up[2]]).float()
     w_down = torch.stack([pool.down[0], host_down, pool.down[2]]).float()
@@ -366,7 +366,7 @@ def test_mapped_decode_reads_slots_and_host_memory_in_the_interpreter(act) -> No
     assert flag is row and not bool(row)
     assert rows.shape == (3, 40) and rows.dtype == torch.float32
     assert torch.equal(rows.sum(0, keepdim=True).to(x.dtype), out)
-    _, missed = md.moe_decode(x, torch.tensor([[4, 5, 1]]), weights, table, pool, act, host_row)
+    _, missed = md.mapped_decode(x, torch.tensor([[4, 5, 1]]), table, weights, host_row, pool, act)
     assert bool(missed)  # expert 5: in no slot and not mapped
 
 

@@ -541,8 +541,8 @@ def mapped_layer(x, sel, w, gate_up, down, timed, in_graph) -> dict:  # type: ig
     host_row = host_row.cuda()
 
     def run():  # type: ignore[no-untyped-def]
-        return md.moe_decode(x, index, w, table, type("Pool", (), {"gate_up": gate_up, "down": down}), F.silu,
-                             host_row)  # fmt: skip
+        return md.mapped_decode(x, index, table, w, host_row, type("Pool", (), {"gate_up": gate_up, "down": down}),
+                                F.silu)  # fmt: skip
 
     out, missed = run()
     ref = md.fused_decode(x, sel, w, gate_up, down, F.silu).float()

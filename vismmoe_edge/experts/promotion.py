@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import ExpertPipeline
 from vismmoe_edge.experts.table import ExpertTable
+from vismmoe_edge.switches import count_setting
 
 # Experts promoted per token at most, by default none. On real routing at a 20 GiB bf16 budget (30% of the experts
 # in slots), a promoted expert is rarely read again before it is evicted: the H200's run 8 decoded 35.7 tok/s
@@ -26,11 +26,7 @@ PROMOTIONS_PER_TOKEN = 0
 
 def promotions_per_token(value: str | None) -> int:
     """VISMMOE_PROMOTIONS_PER_TOKEN: unset for the default, else a count >= 0 (one-line error otherwise)."""
-    if value is None or value == "":
-        return PROMOTIONS_PER_TOKEN
-    if not value.isdigit():
-        raise VismmoeError(f"VISMMOE_PROMOTIONS_PER_TOKEN={value!r}: use a whole number >= 0 (0 turns promotion off)")
-    return int(value)
+    return count_setting("VISMMOE_PROMOTIONS_PER_TOKEN", value, PROMOTIONS_PER_TOKEN, "0 turns promotion off")
 
 
 def promote_host_reads(

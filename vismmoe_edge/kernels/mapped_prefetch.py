@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vismmoe_edge.errors import VismmoeError
+from vismmoe_edge.switches import count_setting
 
 # Programs a staged expert is copied by: each moves CHUNK elements at a time, so 9.44 MB (30B-A3B bf16) is ~288
 # loop steps of 16 KiB per program; enough bytes in flight to keep PCIe's latency covered (~50 GB/s needs ~80 KB
@@ -113,12 +113,8 @@ LOOKAHEAD_PER_LAYER = 0
 
 def lookahead_per_layer(value: str | None) -> int:
     """VISMMOE_MAPPED_LOOKAHEAD: unset for the default, else a count >= 0 (one-line error otherwise)."""
-    if value is None or value == "":
-        return LOOKAHEAD_PER_LAYER
-    if not value.isdigit():
-        raise VismmoeError(f"VISMMOE_MAPPED_LOOKAHEAD={value!r}: use a whole number >= 0 (experts staged a layer; "
-                           "0 turns the lookahead off)")  # fmt: skip
-    return int(value)
+    return count_setting("VISMMOE_MAPPED_LOOKAHEAD", value, LOOKAHEAD_PER_LAYER,
+                         "experts staged a layer; 0 turns the lookahead off")  # fmt: skip
 
 
 class Lookahead:

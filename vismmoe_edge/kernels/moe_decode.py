@@ -50,13 +50,9 @@ def moe_decode(
     table_row: torch.Tensor,
     pool: Any,
     act: Act,
-    host_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, H], index and weights [1, k] (device), table_row [E] int32 -> (out [1, H], missed: bool scalar).
-    `host_row` [E, 2] int64 (ExpertTable.host_addrs[layer]): experts not in a slot are read in place from pinned
-    host memory where mapped (the Triton path only)."""
-    if host_row is not None:
-        return mapped_decode(x, index, table_row, weights, host_row, pool, act)
+    (Experts not in a slot read in place from pinned host memory: `mapped_decode`.)"""
     slots, missed = lookup(index, table_row)
     return pool_decode(x, slots, weights, pool, act), missed
 
