@@ -107,6 +107,23 @@ def test_discrete_gpu_plans_from_free_gpu_memory(ckpt):
     assert plan.tier == "gpu" and "free GPU memory" in plan.m_avail_source and plan.pinned_layers == 3
 
 
+def test_gpu_slots_that_miss_plan_the_embedding_into_host_memory(ckpt):
+    """Where GPU slots cannot hold every expert, the token embedding's GPU memory becomes slots
+    (models/host_embedding.py): the budget grows by exactly its bytes, and `plan` says so."""
+    path, d = ckpt
+    gpu_free = avail(d, 6 * d["expert_bytes_per_layer"])
+    plan = make_plan(path, get_profile("desktop-gpu"), gpu_free=gpu_free, c_safe=0)
+    on_cuda = runtime_parts(inspect_checkpoint(path), device="cuda").total_bytes  # weights, KV, activations, reads
+    embedding = plan.weights["embedding_bytes"]
+    assert plan.tier == "gpu" and plan.embedding_in_host and embedding > 0
+    assert plan.memory_budget_bytes == gpu_free - on_cuda + embedding
+    assert plan.resident_bytes == d["resident_bytes"] - embedding
+    assert "token embedding is not among them" in format_plan(plan)
+    everything = make_plan(path, get_profile("desktop-gpu"), gpu_free=avail(d, 9 * d["expert_bytes_per_layer"]),
+                           c_safe=0)  # fmt: skip
+    assert not everything.embedding_in_host and everything.resident_bytes == d["resident_bytes"]
+
+
 def test_mem_available_is_read_from_meminfo(ckpt):
     path, _ = ckpt
     root = BOARDS / "orin-nano-8gb-super-jp6"

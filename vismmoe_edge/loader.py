@@ -12,6 +12,8 @@ from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.pipeline import POLICIES
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH, attach_predictor, build_runtime
 from vismmoe_edge.experts.store import ExpertStore, ShardFiles
+from vismmoe_edge.experts.tiers.registry import resolve_auto, tier_kind
+from vismmoe_edge.models.host_embedding import check_embedding_place, embedding_in_host
 from vismmoe_edge.predict.factory import check_predictor_name, make_predictor
 from vismmoe_edge.step_context import StepContext
 from vismmoe_edge.transformers_version import check_transformers
@@ -51,6 +53,7 @@ def load(
     policy: str = "popularity",
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
     host_tier: bool = False,
+    embedding: str = "auto",
 ) -> Engine:
     """Load a Qwen3-VL-MoE, GLM-4.5V or DeepSeek-VL2 checkpoint with its routed experts left on disk.
 
@@ -69,6 +72,9 @@ def load(
         fewest tokens routed to, decayed; then least recently used).
     prefetch_depth: MoE layers' worth of top-k experts that predictions may have in flight at once.
     host_tier: with GPU slots, mirror every streamed expert in pinned host RAM (filled now): a miss is one DMA.
+    embedding: where the token embedding lives on CUDA: "device" (GPU memory), "host" (pinned host memory the GPU
+        gathers its rows from in place: models/host_embedding.py), "auto" (host where GPU slots hold fewer than
+        every expert, so that its GPU memory is not taken from the experts).
 
     Options left to the planner ("auto" budget, ...) are filled by `vismmoe_edge.options.load_engine`.
     """
@@ -82,6 +88,7 @@ def load(
     if policy not in POLICIES:
         raise VismmoeError(f"--policy {policy!r}: use one of {', '.join(POLICIES)}")
     check_predictor_name(predictor)  # before the model is built, not after
+    check_embedding_place(embedding)
     moe_layers = catalogue.moe_layers
     if not 0 <= pinned_layers <= len(moe_layers):
         raise VismmoeError(f"--pinned-layers {pinned_layers}: the model has {len(moe_layers)} MoE layers")
@@ -100,7 +107,14 @@ def load(
         speculative_experts=prefetch_depth * info.top_k,
         host_tier=host_tier,
     )
-    model = info.family.build_model(config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device)
+    slots_in_gpu = tier_kind(resolve_auto(tier, torch_device.type)).memory == "device"
+    in_gpu = runtime.pipeline.capacity + len(runtime.pipeline.pinned)
+    host_embedding = embedding_in_host(
+        embedding, device=torch_device, slots_in_gpu=slots_in_gpu, experts_outside_gpu=len(catalogue.experts) - in_gpu
+    )
+    model = info.family.build_model(
+        config, table, catalogue, files, runtime, dtype=torch_dtype, device=torch_device, host_embedding=host_embedding
+    )
     runtime.pipeline.tier.after_load(files, table, catalogue, set(moe_layers[:pinned_layers]))
     on_gpu = torch_device.type == "cuda"
     # Every expert resident (a pinned prefix of every layer, or GPU slots that hold them all): nothing to prefetch,

@@ -60,6 +60,7 @@ class ResolvedOptions:
     plan: Plan | None = None
     device: str = "auto"  # the plan's device where the user left it to the plan and this machine has it
     prefix_cache_bytes: int = 0  # the prefix cache's bound (0: off)
+    embedding: str = "auto"  # the token embedding's place (loader.load): the plan's where it planned one
 
 
 def resolve(
@@ -130,7 +131,10 @@ def resolve(
         f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
         f"{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
     )
-    return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device, plan.prefix_cache_bytes)
+    # the plan counted the embedding out of GPU memory only for its own budget and tier, on this machine's GPU
+    planned_here = o.memory_budget == "auto" and tier == plan.tier and here
+    embedding = ("host" if plan.embedding_in_host else "device") if planned_here else "auto"
+    return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device, plan.prefix_cache_bytes, embedding)
 
 
 def parse_prefix_cache(text: str) -> int | None:
@@ -240,6 +244,7 @@ def load_resolved(checkpoint: CheckpointInfo, options: LoadOptions, resolved: Re
         policy=options.policy,
         prefetch_depth=resolved.prefetch_depth,
         host_tier=resolved.host_tier,
+        embedding=resolved.embedding,
     )
     if options.compression is not None:
         engine.compression = options.compression

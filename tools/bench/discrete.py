@@ -205,7 +205,8 @@ ROW_PREDICTORS = {"learned": "learned", "unified-slots-next-layer-gate": "next-l
 
 
 def load_engine(
-    model_dir: Path, budget: str, *, pinned_layers: int = 0, host_tier: bool = True, tier: str | None = None
+    model_dir: Path, budget: str, *, pinned_layers: int = 0, host_tier: bool = True, tier: str | None = None,
+    embedding: str = "auto",
 ) -> object:
     import vismmoe_edge
 
@@ -219,6 +220,7 @@ def load_engine(
     engine = vismmoe_edge.load(
         model_dir, memory_budget=budget, pinned_layers=pinned_layers, device=DEVICE,
         tier=tier or ("gpu" if DEVICE == "cuda" else "host"), predictor="none", host_tier=host_tier,
+        embedding=embedding,
     )  # fmt: skip
     engine.load_s = time.perf_counter() - start
     # after the previous engine was freed
@@ -548,6 +550,10 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=Path("/tmp/vismmoe-bench"))
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--gpu-gib", type=float, default=20.0)
+    ap.add_argument("--embedding", choices=("host", "device"), default="host",
+                    help="the GPU-slot budget engine's token embedding: in pinned host memory, its GPU memory given "
+                    "to expert slots (what the engine and the planner do where slots cannot hold every expert), or "
+                    "in GPU memory (before run 21)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--accelerate-tokens", type=int, default=3)
     ap.add_argument("--skip-accelerate", action="store_true")
@@ -606,10 +612,13 @@ def main() -> None:
     info = describe_checkpoint(model_dir)
     resident = info["resident_bytes"]
     expert_budget = int(args.gpu_gib * 2**30 - resident - 2**30)  # 1 GiB for activations and the KV cache
+    # the GPU-slot engine at the budget: with its embedding in host memory, those bytes of GPU memory are slots
+    slot_budget = expert_budget + (info["parts"]["embedding_bytes"] if args.embedding == "host" else 0)
     machine = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (harness smoke run)"
     bandwidth = pinned_bandwidth() if DEVICE == "cuda" else 1e9
     print(f"{machine}: pinned host->device {bandwidth / 1e9:.1f} GB/s; resident {resident / 1e9:.2f} GB; "
-          f"expert budget {expert_budget / 2**30:.2f} GiB", flush=True)  # fmt: skip
+          f"expert budget {expert_budget / 2**30:.2f} GiB ({slot_budget / 2**30:.2f} GiB for GPU slots, embedding in "
+          f"{args.embedding} memory)", flush=True)  # fmt: skip
     wanted = set(args.strategies.split(","))
     results: list[dict] = []
     profiles: list[dict] = []
@@ -626,6 +635,8 @@ def main() -> None:
             "pinned_gb_s": bandwidth / 1e9,
             "gpu_gib": args.gpu_gib,
             "expert_budget_bytes": expert_budget,
+            "gpu_slot_budget_bytes": slot_budget,  # the budget engine's (the unified tiers take expert_budget)
+            "embedding": args.embedding,
             "layers": args.layers,
             "torch": torch.__version__,
             "results": results,
@@ -645,7 +656,7 @@ def main() -> None:
                        "device-mapped-promotion-8", "device-mapped-lookahead-2", "device-mapped-flat-prompt",
                        "budget-default"}  # fmt: skip
         if wanted & budget_rows:
-            engines["budget"] = load_engine(model_dir, str(expert_budget), host_tier=True)
+            engines["budget"] = load_engine(model_dir, str(slot_budget), host_tier=True, embedding=args.embedding)
         for name in UNIFIED:
             if name in wanted or f"device-{name}" in wanted or f"{name}-next-layer-gate" in wanted:
                 engines[name] = load_engine(model_dir, str(expert_budget), host_tier=False, tier=name)

@@ -14,6 +14,8 @@
 #                                                 and without promotion, the per-layer host path (device rows
 #                                                 compiled), transformers' static cache in the same call; profiles
 #   bash tools/device/decode_checks.sh baselines  transformers on the same checkpoint: static cache, DynamicCache
+#                                                 (EMBEDDING=device: the budget engine's token embedding in GPU
+#                                                 memory, as before run 21; default host, its bytes slots)
 #   bash tools/device/decode_checks.sh bench-int4 the same checkpoint quantized to int4 g128, resident and 20 GiB
 #                                                 (device path, compiled), then in the same call bf16 resident and
 #                                                 transformers' static cache (cuDNN SDPA on and off: the faster names the ratio)
@@ -156,7 +158,7 @@ bench|bench-int4)
         "for the steps after them: raise LIMIT or lower BF16_RESERVE_S / BASE_RESERVE_S"
     timeout "$ROWS_S" python3 tools/bench/discrete.py --out-dir "$OUTDIR" \
         --layers 48 --new-tokens 16 --repeats 2 --strategies "$STRATS" --routings "${ROUTINGS:-sampled,trace-replay}" \
-        "${REPLAY[@]}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
+        "${REPLAY[@]}" --embedding "${EMBEDDING:-host}" --skip-baselines --compile-device-rows --json "$OUT/discrete-$MODE.json" 2>&1 \
         | tee "$OUT/discrete-$MODE.log" | grep -v '^ *[]["{}0-9-]' | tail -40
     [ "${PIPESTATUS[0]}" -eq 124 ] && echo "the rows were stopped by their ${ROWS_S} s limit" \
         "(a routing whose rows all ended is in the JSON)"

@@ -53,9 +53,11 @@ class ModelFamily:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        host_embedding: bool = False,
     ) -> Any:
-        """The full model with every non-expert weight loaded and routed experts served by `runtime`."""
+        """The full model with every non-expert weight loaded and routed experts served by `runtime`
+        (`host_embedding`: the token embedding in mapped host memory, models/host_embedding.py)."""
         return build_offloaded(
             self.model_class, config, table, catalogue, files, runtime, dtype=dtype, device=device,
-            tied_head=self.tied_head(config),
+            tied_head=self.tied_head(config), host_embedding=host_embedding,
         )  # fmt: skip

@@ -20,6 +20,7 @@ from vismmoe_edge.checkpoint import ExpertCatalogue, TensorInfo
 from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.compute import ExpertRuntime, OffloadedExperts
 from vismmoe_edge.experts.store import ShardFiles
+from vismmoe_edge.models.host_embedding import HostEmbedding
 from vismmoe_edge.quant.dense import (
     QUANT_SUFFIXES,
     RowEmbedding,
@@ -59,9 +60,12 @@ def build_offloaded(
     dtype: torch.dtype,
     device: torch.device,
     tied_head: bool,
+    host_embedding: bool = False,
 ) -> Any:
     """`model_class(config)` with each MoE layer's routed experts swapped for OffloadedExperts (served by
-    `runtime`) and every other weight loaded: what every family's build_model is."""
+    `runtime`) and every other weight loaded: what every family's build_model is. `host_embedding`: the token
+    embedding goes to mapped host memory (models/host_embedding.py) instead of `device`, unless lm_head is tied to
+    it or a quantized file already reads it by row."""
     with parameters_on_meta():
         model = model_class(config)
     language_model = model.model.language_model
@@ -73,15 +77,19 @@ def build_offloaded(
     choices = stored_matrices(table, quant.layout) if quant is not None and quant.dense_bits is not None else {}
     swap_quantized_linears(model, choices, quant.layout if quant is not None else "")
     # a file quantized for small memory also leaves its embedding on disk (tied to lm_head, it must stay)
-    embedding = _module_name(model, language_model.embed_tokens) + ".weight" if choices and not tied_head else None
+    embedding_name = _module_name(model, language_model.embed_tokens) + ".weight"
+    embedding = embedding_name if choices and not tied_head else None
+    in_host = embedding_name if host_embedding and embedding is None and not tied_head else None
     load_resident_weights(
         model, table, catalogue, files, dtype=dtype, device=device, tied_head=tied_head,
         # e.g. GLM's router: transformers keeps its weight and bias fp32 under bf16/fp16
         keep_fp32=getattr(model, "_keep_in_fp32_modules_strict", None) or (),
-        read_later=() if embedding is None else (embedding,),
+        read_later=tuple(name for name in (embedding, in_host) if name is not None),
     )  # fmt: skip
     if embedding is not None:
         language_model.embed_tokens = RowEmbedding(table[embedding], dtype, device)
+    if in_host is not None:  # straight from the shard into host memory: it never takes GPU memory, even at load
+        language_model.embed_tokens = HostEmbedding(files.tensor(table[in_host]).to(dtype), device)
     if tied_head:
         model.lm_head.weight = language_model.embed_tokens.weight
     model.to(device)  # buffers (RoPE frequencies) were built on the CPU

@@ -92,6 +92,7 @@ class Plan:
     total_expert_bytes: int = 0
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
     prefix_cache_bytes: int = 0  # vision features and prompt-prefix KV kept across requests (prefix_cache.py)
+    embedding_in_host: bool = False  # the token embedding in pinned host memory, not GPU memory (host_embedding.py)
     why: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -244,12 +245,27 @@ def make_plan(
     if board is not None:
         warnings.append(f"planned for the {board.module} (profile {profile.name}), not for this machine")
     m_e = m_avail - c_safe_b - resident - others
+    # GPU slots that cannot hold every expert: the token embedding goes to mapped host memory (a token reads one
+    # row of it over the bus) and its GPU memory to slots (models/host_embedding.py)
+    embedding_in_host = (
+        device == "cuda" and tier == "gpu" and m_e < n * s_layer and weights.embedding_bytes > 0
+        and not checkpoint.family.tied_head(checkpoint.config)
+    )  # fmt: skip
+    if embedding_in_host:
+        m_e += weights.embedding_bytes
+        resident -= weights.embedding_bytes
     one_layer_topk = k * s_e
     why += [
         f"M_avail = {format_bytes(m_avail)}: {source}",
         f"C_safe = {format_bytes(c_safe_b)} ({c_safe_from}): OS and runtime headroom",
         f"R = {format_bytes(resident)} of non-expert weights held once ({format_bytes(parts.vision_weights_bytes)} "
-        "of them the vision tower; their page cache is dropped after loading): subtracted" + _weights_note(weights),
+        "of them the vision tower; their page cache is dropped after loading): subtracted" + _weights_note(weights)
+        + (
+            f"; the {format_bytes(weights.embedding_bytes)} token embedding is not among them: it stays in pinned host"
+            " memory, where the GPU reads a token's row in place, since GPU slots cannot hold every expert"
+            if embedding_in_host
+            else ""
+        ),
         f"KV = {format_bytes(parts.kv_cache_bytes)} for {parts.context_tokens} positions, A = "
         f"{format_bytes(parts.activation_bytes)} of prefill activations for {parts.prompt_tokens} tokens (an "
         f"estimate; the vision tower's peak over as many image tokens is {format_bytes(parts.vision_peak_bytes)}, "
@@ -336,6 +352,8 @@ def make_plan(
         "cache_bytes": cache,
         "reserve_bytes": c_safe_b,
     }
+    if embedding_in_host:
+        memory_parts["language_weights_bytes"] -= weights.embedding_bytes  # held in host memory instead
     memory_parts["total_bytes"] = sum(memory_parts.values())  # <= M_avail: the budget is what M_e leaves
     return Plan(
         model_dir=str(model_dir),
@@ -365,6 +383,7 @@ def make_plan(
         total_expert_bytes=weights.expert_bytes,
         context_tokens=context,
         prefix_cache_bytes=parts.prefix_cache_bytes,
+        embedding_in_host=embedding_in_host,
         why=why,
         warnings=warnings,
     )
