@@ -6,8 +6,10 @@
 #     row of it is timed;
 #   - decode_checks.sh bench with the time left: the rows reading in place with the slots' first experts ranked by
 #     the prompt's last tokens first (the default since run 20) and by its plain counts (BENCH_STRATS), sampled and
-#     replayed routing (ROUTINGS), then transformers' static cache in the same call. (Run 20 compared the
-#     lookahead here: BENCH_STRATS=device-mapped,device-mapped-lookahead-2 ROUTINGS=sampled.)
+#     replayed routing (ROUTINGS), then transformers' static cache in the same call. Since run 21 the engine at the
+#     budget keeps its token embedding in pinned host memory and has its 0.58 GiB as slots (EMBEDDING=device: as
+#     before). (Run 20 compared the lookahead here: BENCH_STRATS=device-mapped,device-mapped-lookahead-2
+#     ROUTINGS=sampled.)
 # Carry `.whl` and `.carry`; tar $OUT after it.
 #   bash tools/device/mapped_call.sh
 set -uo pipefail
