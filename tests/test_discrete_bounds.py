@@ -29,3 +29,18 @@ def test_a_gpu_slot_row_counts_its_copies_and_its_reads_in_place() -> None:
     bus = _discrete().bus_gb_per_token
     assert bus({"gb_read_per_decode_token": 0.5, "host_reads_per_token": 10.0, "expert_bytes": 10**7}) == 0.6
     assert bus({"gb_read_per_decode_token": 0.25, "experts_in_host_memory_per_token": 0, "expert_bytes": 1}) == 0.25
+
+
+def test_the_hbm_bound_counts_what_a_token_reads(tmp_path: Path) -> None:
+    """The decoder's weights less the embedding's table (a token reads one row) and the vision tower, and top-k of
+    the experts: for 30B-A3B's geometry the issue's 6.08 GB a token. Checked here on a tiny real checkpoint, part by
+    part."""
+    from vismmoe_edge.planning.describe import describe_checkpoint
+    from vismmoe_edge.testing.tiny_qwen3_vl_moe import build_tiny_checkpoint
+
+    info = describe_checkpoint(build_tiny_checkpoint(tmp_path / "m", num_layers=4))
+    p = info["parts"]
+    assert p["embedding_bytes"] > 0 and p["vision_bytes"] > 0
+    experts = info["total_expert_bytes"] * info["top_k"] / info["experts_per_layer"]
+    dense = p["lm_head_bytes"] + p["attention_bytes"] + p["mlp_bytes"] + p["other_language_bytes"]
+    assert _discrete().bytes_read_per_token(info) == dense + experts

@@ -501,6 +501,14 @@ def oracle(
     }
 
 
+def bytes_read_per_token(info: dict) -> float:
+    """What a decode token reads of the weights (describe_checkpoint's `info`): the language model's non-expert
+    weights but the token embedding (one row of it) and top_k / num_experts of the routed experts."""
+    parts = info["parts"]
+    dense = parts["language_bytes"] - parts["embedding_bytes"]
+    return dense + info["total_expert_bytes"] * info["top_k"] / info["experts_per_layer"]
+
+
 def hbm_bound(info: dict) -> dict:
     """The decode ceiling of memory bandwidth: the bytes a token reads (the language model's non-expert weights
     less the token embedding, of which it reads one row, and top_k/num_experts of the expert bytes), at the HBM
@@ -516,9 +524,7 @@ def hbm_bound(info: dict) -> dict:
     torch.cuda.synchronize()
     hbm = 2 * 5 * buf.numel() / (time.perf_counter() - start)  # a copy reads and writes each byte
     del buf, dst
-    parts = info["parts"]
-    dense = parts["language_bytes"] - parts["embedding_bytes"]
-    per_token = dense + info["total_expert_bytes"] * info["top_k"] / info["experts_per_layer"]
+    per_token = bytes_read_per_token(info)
     return {"hbm_gb_s": hbm / 1e9, "bytes_per_token": per_token, "tokens_per_s": hbm / per_token}
 
 
