@@ -123,3 +123,25 @@ def test_a_percentage_budget_is_of_the_compute_dtype_bytes_the_cache_holds(tmp_p
     assert planned.plan is not None and planned.plan.s_layer_bytes == s_layer and planned.plan.bytes_per_expert == s_e
     assert planned.pinned_layers == 2 and planned.memory_budget_bytes == m_e
     assert any("compute dtype float32" in line for line in planned.plan.why)
+
+
+def test_a_planned_desktop_gpu_that_misses_loads_the_embedding_in_host_memory(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan counted the embedding out of GPU memory (planning/plan.py), so the loader must put it in host
+    memory; a budget the user fixed was not planned that way, and leaves it to the loader's "auto"."""
+    import vismmoe_edge.options as options
+
+    monkeypatch.setattr(options, "plan_gpu", lambda *args, **kwargs: (None, True, None))  # as if this had the GPU
+    from vismmoe_edge.hardware.profiles import get_profile
+
+    d = describe_checkpoint(tiny)
+    c_safe = int(get_profile("desktop-gpu").planner.c_safe_gib * GIB)
+    gpu_free = 4 * d["expert_bytes_per_layer"] + runtime_parts(inspect_checkpoint(tiny), device="cuda").total_bytes
+    gpu_free += c_safe
+    planned = resolve(LoadOptions(profile="desktop-gpu"), inspect_checkpoint(tiny), gpu_free=gpu_free)
+    assert planned.plan is not None and planned.plan.embedding_in_host and planned.tier == "gpu"
+    assert planned.embedding == "host" and "token embedding in host memory" in planned.note
+    fixed = resolve(LoadOptions(profile="desktop-gpu", memory_budget="40%"), inspect_checkpoint(tiny),
+                    gpu_free=gpu_free)  # fmt: skip
+    assert fixed.embedding == "auto" and "token embedding" not in fixed.note

@@ -126,14 +126,15 @@ def resolve(
     host, why = resolve_host_tier(o, checkpoint, tier, pinned, mem_available)
     if why:
         plan.why.append(why)
-    note = (
-        f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {format_bytes(budget)}, tier {tier}, "
-        f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
-        f"{', pinned host tier' if host else ''}; `vismmoe-edge plan` says why]"
-    )
     # the plan counted the embedding out of GPU memory only for its own budget and tier, on this machine's GPU
     planned_here = o.memory_budget == "auto" and tier == plan.tier and here
     embedding = ("host" if plan.embedding_in_host else "device") if planned_here else "auto"
+    note = (
+        f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {format_bytes(budget)}, tier {tier}, "
+        f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
+        f"{', pinned host tier' if host else ''}{', token embedding in host memory' if embedding == 'host' else ''}; "
+        "`vismmoe-edge plan` says why]"
+    )
     return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device, plan.prefix_cache_bytes, embedding)
 
 
