@@ -58,5 +58,5 @@ def test_a_bad_place_fails_before_any_work(checkpoints, monkeypatch: pytest.Monk
         raise AssertionError("the runtime was built before the option was checked")
 
     monkeypatch.setattr(loader, "build_runtime", never)
-    with pytest.raises(VismmoeError, match=r"^--embedding 'gpu': use one of auto, host, device$"):
+    with pytest.raises(VismmoeError, match=r"^embedding='gpu': use one of auto, host, device$"):
         vismmoe_edge.load(checkpoints["v5"], device="cpu", embedding="gpu")

@@ -11,6 +11,7 @@ import pytest
 from vismmoe_edge import checkpoint
 from vismmoe_edge.checkpoint_info import inspect_checkpoint
 from vismmoe_edge.config import parse_budget
+from vismmoe_edge.errors import VismmoeError
 from vismmoe_edge.experts.runtime import DEFAULT_PREFETCH_DEPTH
 from vismmoe_edge.options import LoadOptions, load_engine, resolve
 from vismmoe_edge.planning.describe import describe_checkpoint
@@ -145,3 +146,10 @@ def test_a_planned_desktop_gpu_that_misses_loads_the_embedding_in_host_memory(
     fixed = resolve(LoadOptions(profile="desktop-gpu", memory_budget="40%"), inspect_checkpoint(tiny),
                     gpu_free=gpu_free)  # fmt: skip
     assert fixed.embedding == "auto" and "token embedding" not in fixed.note
+    monkeypatch.setenv("VISMMOE_EMBEDDING", "device")  # the commands' and the daemon's way to keep it in GPU memory
+    kept = resolve(LoadOptions(profile="desktop-gpu"), inspect_checkpoint(tiny), gpu_free=gpu_free)
+    assert kept.plan is not None and not kept.plan.embedding_in_host and kept.embedding == "device"
+    assert kept.memory_budget_bytes == planned.memory_budget_bytes - kept.plan.weights["embedding_bytes"]
+    monkeypatch.setenv("VISMMOE_EMBEDDING", "gpu")
+    with pytest.raises(VismmoeError, match=r"^VISMMOE_EMBEDDING='gpu': use one of auto, host, device$"):
+        resolve(LoadOptions(profile="desktop-gpu"), inspect_checkpoint(tiny), gpu_free=gpu_free)

@@ -124,6 +124,27 @@ def test_gpu_slots_that_miss_plan_the_embedding_into_host_memory(ckpt):
     assert not everything.embedding_in_host and everything.resident_bytes == d["resident_bytes"]
 
 
+def test_the_embedding_goes_where_named(ckpt):
+    """embedding="device" keeps it in GPU memory even where slots miss (the run-20 layout); "host" moves it even
+    where every expert fits (nothing to gain, but asked for)."""
+    path, d = ckpt
+    desktop = get_profile("desktop-gpu")
+    short = avail(d, 6 * d["expert_bytes_per_layer"])
+    assert not make_plan(path, desktop, gpu_free=short, c_safe=0, embedding="device").embedding_in_host
+    roomy = avail(d, 9 * d["expert_bytes_per_layer"])
+    assert make_plan(path, desktop, gpu_free=roomy, c_safe=0, embedding="host").embedding_in_host
+
+
+def test_plan_command_names_a_bad_embedding_variable_in_one_line(ckpt, capsys, monkeypatch):
+    path, _ = ckpt
+    monkeypatch.setenv("VISMMOE_EMBEDDING", "hbm")
+    with pytest.raises(typer.Exit) as exit_info:
+        plan_command(path, profile="desktop-gpu")
+    assert exit_info.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "VISMMOE_EMBEDDING='hbm': use one of auto, host, device" in err
+
+
 def test_mem_available_is_read_from_meminfo(ckpt):
     path, _ = ckpt
     root = BOARDS / "orin-nano-8gb-super-jp6"

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +83,7 @@ def resolve(
     if o.host_tier not in ("auto", "on", "off"):
         raise VismmoeError(f"--host-tier {o.host_tier!r}: use auto, on or off")
     prefix_cache = parse_prefix_cache(o.prefix_cache_bytes)
+    place = embedding_setting()
     depth = o.prefetch_depth
     if not o.leaves_anything_to_plan:
         assert o.pinned_layers is not None
@@ -95,7 +97,7 @@ def resolve(
 
             prefix_cache = default_prefix_cache_bytes(checkpoint, DEFAULT_PROMPT_TOKENS, dtype.itemsize)
         return ResolvedOptions(budget, o.pinned_layers, o.tier, depth, host, device=o.device,
-                               prefix_cache_bytes=prefix_cache)  # fmt: skip
+                               prefix_cache_bytes=prefix_cache, embedding=place)  # fmt: skip
     from vismmoe_edge.hardware.profiles import select_profile
     from vismmoe_edge.planning.plan import make_plan
 
@@ -104,7 +106,7 @@ def resolve(
     dtype = compute_dtype(o, checkpoint, "cuda" if o.device == "auto" and here else o.device)
     plan = make_plan(
         checkpoint, chosen, profile_reason=reason, mem_available=mem_available, gpu_free=gpu_free, gpu=gpu,
-        dtype=dtype, prefix_cache_bytes=prefix_cache,
+        dtype=dtype, prefix_cache_bytes=prefix_cache, embedding=place,
     )  # fmt: skip
     plan.warnings[:0] = warnings + ([gpu_note] if gpu_note else [])
     pinned = o.pinned_layers
@@ -128,7 +130,7 @@ def resolve(
         plan.why.append(why)
     # the plan counted the embedding out of GPU memory only for its own budget and tier, on this machine's GPU
     planned_here = o.memory_budget == "auto" and tier == plan.tier and here
-    embedding = ("host" if plan.embedding_in_host else "device") if planned_here else "auto"
+    embedding = ("host" if plan.embedding_in_host else "device") if planned_here else place
     note = (
         f"[plan: profile {chosen.name}: {pinned} pinned layers, expert budget {format_bytes(budget)}, tier {tier}, "
         f"device {device if device != 'auto' else plan.device}, prefetch depth {depth}"
@@ -136,6 +138,16 @@ def resolve(
         "`vismmoe-edge plan` says why]"
     )
     return ResolvedOptions(budget, pinned, tier, depth, host, note, plan, device, plan.prefix_cache_bytes, embedding)
+
+
+def embedding_setting() -> str:
+    """VISMMOE_EMBEDDING (auto, host or device): the commands' and the daemon's way to place the token embedding
+    beside GPU slots (loader.load takes `embedding`; models/host_embedding.py); a bad value is a one-line error."""
+    from vismmoe_edge.models.host_embedding import check_embedding_place
+
+    place = os.environ.get("VISMMOE_EMBEDDING", "auto")
+    check_embedding_place(place, "VISMMOE_EMBEDDING")
+    return place
 
 
 def parse_prefix_cache(text: str) -> int | None:

@@ -37,7 +37,7 @@ def plan_command(
     """Choose the device, tier, pinned-prefix depth, expert-cache size and prefetch depth for this machine (or, with
     a Jetson --profile off the board, for that module's memory), and the memory each part takes; say why."""
     from vismmoe_edge.hardware.profiles import select_profile
-    from vismmoe_edge.options import parse_prefix_cache, plan_gpu
+    from vismmoe_edge.options import embedding_setting, parse_prefix_cache, plan_gpu
     from vismmoe_edge.planning.plan import GIB, format_plan, make_plan
 
     try:
@@ -56,6 +56,7 @@ def plan_command(
             max_context=max_context,
             takes_c_safe_option=True,
             prefix_cache_bytes=parse_prefix_cache(prefix_cache_bytes),
+            embedding=embedding_setting(),
         )
     except VismmoeError as e:
         raise fail(str(e)) from None

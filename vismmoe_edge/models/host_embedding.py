@@ -55,13 +55,14 @@ class HostEmbedding(nn.Module):
 EMBEDDING_PLACES = ("auto", "host", "device")
 
 
-def check_embedding_place(place: str) -> None:
+def check_embedding_place(place: str, name: str = "embedding") -> None:
+    """`name`: what the user set (the loader's `embedding`, or VISMMOE_EMBEDDING for the commands and the daemon)."""
     if place not in EMBEDDING_PLACES:
-        raise VismmoeError(f"--embedding {place!r}: use one of {', '.join(EMBEDDING_PLACES)}")
+        raise VismmoeError(f"{name}={place!r}: use one of {', '.join(EMBEDDING_PLACES)}")
 
 
 def embedding_in_host(place: str, *, device: torch.device, slots_in_gpu: bool, experts_outside_gpu: int) -> bool:
-    """Where `--embedding` puts the token embedding: "host" / "device" as named (on the CPU both are host memory:
+    """Where `embedding` puts the token embedding: "host" / "device" as named (on the CPU both are host memory:
     "host" builds the same module over anonymous memory, which is how the CPU tests exercise it); "auto": host
     memory on CUDA where GPU slots hold fewer than every expert, so that the bytes it frees become slots and the bus
     reads fewer experts a token."""

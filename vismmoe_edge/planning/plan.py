@@ -190,6 +190,7 @@ def make_plan(
     dtype: torch.dtype | None = None,
     takes_c_safe_option: bool = False,
     prefix_cache_bytes: int | None = None,
+    embedding: str = "auto",
 ) -> Plan:
     """The plan for ``model_dir`` on ``profile``. mem_available / gpu_free / c_safe are bytes; None = measure
     (MemAvailable on unified memory, free GPU memory on discrete; a Jetson profile on another machine: the
@@ -198,9 +199,11 @@ def make_plan(
     ``root``; None: ignore cgroups). ``bits`` / ``dense_bits`` / ``group_size``: plan the checkpoint as
     `quantize` would convert it. ``max_context``: positions the KV cache holds (default 4,608). ``dtype``: the compute
     dtype float weights are held at (None: the checkpoint's; float16 on the CPU is float32), so that the plan
-    counts what the loader's cache holds. ``prefix_cache_bytes``: the prefix cache's bound (None: one prompt's
-    worth, memory_plan.default_prefix_cache_bytes; 0: off). ``takes_c_safe_option``: the calling command has
-    --c-safe-gib (`plan`; `run` and `serve` take C_safe from the profile), so a refusal may name it."""
+    counts what the loader's cache holds. ``embedding``: where GPU slots put the token embedding ("auto": in
+    pinned host memory when they cannot hold every expert; "host", "device": as named). ``prefix_cache_bytes``:
+    the prefix cache's bound (None: one prompt's worth, memory_plan.default_prefix_cache_bytes; 0: off).
+    ``takes_c_safe_option``: the calling command has --c-safe-gib (`plan`; `run` and `serve` take C_safe from the
+    profile), so a refusal may name it."""
     checkpoint = as_checkpoint_info(model)
     model_dir = checkpoint.model_dir
     n, k, e = len(checkpoint.catalogue.moe_layers), checkpoint.top_k, checkpoint.catalogue.num_experts
@@ -248,8 +251,9 @@ def make_plan(
     # GPU slots that cannot hold every expert: the token embedding goes to mapped host memory (a token reads one
     # row of it over the bus) and its GPU memory to slots (models/host_embedding.py)
     embedding_in_host = (
-        device == "cuda" and tier == "gpu" and m_e < n * s_layer and weights.embedding_bytes > 0
+        device == "cuda" and tier == "gpu" and weights.embedding_bytes > 0
         and not checkpoint.family.tied_head(checkpoint.config)
+        and (embedding == "host" or embedding == "auto" and m_e < n * s_layer)
     )  # fmt: skip
     if embedding_in_host:
         m_e += weights.embedding_bytes
