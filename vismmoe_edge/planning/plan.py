@@ -266,7 +266,8 @@ def make_plan(
         "of them the vision tower; their page cache is dropped after loading): subtracted" + _weights_note(weights)
         + (
             f"; the {format_bytes(weights.embedding_bytes)} token embedding is not among them: it stays in pinned host"
-            " memory, where the GPU reads a token's row in place, since GPU slots cannot hold every expert"
+            " memory, where the GPU reads a token's row in place, "
+            + ("as asked (embedding host)" if embedding == "host" else "since GPU slots cannot hold every expert")
             if embedding_in_host
             else ""
         ),
