@@ -225,6 +225,7 @@ def load_engine(
     engine.load_s = time.perf_counter() - start
     # after the previous engine was freed
     engine.peak_gpu_bytes = torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0
+    engine.gpu_bytes_before = before  # for the trials' peak (main): what engines loaded earlier hold
     return engine
 
 
@@ -733,19 +734,26 @@ def main() -> None:
                     set_predictor(engine, ROW_PREDICTORS.get(name, "none"), args.predictor_file)
                     if args.compile_device_rows and kw.get("device_decode", "off") != "off":
                         kw = {**kw, "compiled": True}
+                    if DEVICE == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
                     try:
                         r = run_trial(engine, image, args.new_tokens, replay, seed, **kw)
                     except Exception as exc:  # noqa: BLE001 (recorded in the row and printed)
                         failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                         print(f"{name} {mode} FAILED: {failed[name]}", flush=True)
                         continue
+                    # the budget held through a prefill and its decode (KV cache, activations), not only at load:
+                    # the allocator's peak less what engines loaded before this one hold (one loaded after it counts)
+                    peak = torch.cuda.max_memory_allocated() - engine.gpu_bytes_before if DEVICE == "cuda" else 0
+                    r["peak_gpu_gib_trial"] = peak / 2**30
                     trials[name].append(r)
                     print(name, mode, {k: v for k, v in r.items() if k != "routes"}, flush=True)
             results += [{"strategy": n, "routing": mode, "error": failed[n]} for _, n, _ in configs if n in failed]
             configs = [c for c in configs if c[1] not in failed]
             rows = [median_row(name, trials[name]) for _, name, _ in configs]
             for (engine_name, _, _), row in zip(configs, rows, strict=True):
-                row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30
+                row["peak_gpu_gib"] = engines[engine_name].peak_gpu_bytes / 2**30  # at load
+                row["peak_gpu_gib_trials"] = max(t["peak_gpu_gib_trial"] for t in trials[row["strategy"]])
                 bus_gb = bus_gb_per_token(row)
                 if bus_gb:  # the bus alone: the bytes a token moves over it at the pinned rate
                     row["bus_gb_per_token"] = bus_gb
