@@ -35,6 +35,7 @@ from vismmoe_edge.hardware import system
 from vismmoe_edge.hardware.cgroup import CgroupMemory, read_cgroup_memory
 from vismmoe_edge.hardware.gpu_access import SLOTS_TIER, GpuAccess, igpu_tier
 from vismmoe_edge.hardware.profiles import Profile
+from vismmoe_edge.models.host_embedding import embedding_in_host
 from vismmoe_edge.planning.board_memory import BoardMemory, board_memory, on_the_board
 from vismmoe_edge.planning.memory_plan import DEFAULT_CONTEXT_TOKENS, runtime_parts
 from vismmoe_edge.planning.weights import bf16_resident_bytes, weight_bytes
@@ -248,14 +249,14 @@ def make_plan(
     if board is not None:
         warnings.append(f"planned for the {board.module} (profile {profile.name}), not for this machine")
     m_e = m_avail - c_safe_b - resident - others
-    # GPU slots that cannot hold every expert: the token embedding goes to mapped host memory (a token reads one
-    # row of it over the bus) and its GPU memory to slots (models/host_embedding.py)
-    embedding_in_host = (
-        device == "cuda" and tier == "gpu" and weights.embedding_bytes > 0
-        and not checkpoint.family.tied_head(checkpoint.config)
-        and (embedding == "host" or embedding == "auto" and m_e < n * s_layer)
+    # the loader's rule (models/host_embedding.py): with GPU slots that cannot hold every expert, the token
+    # embedding goes to mapped host memory (a token reads one row of it over the bus) and its GPU memory to slots
+    in_host = (
+        device == "cuda" and weights.embedding_bytes > 0 and not checkpoint.family.tied_head(checkpoint.config)
+        and embedding_in_host(embedding, device=torch.device(device), slots_in_gpu=tier == "gpu",
+                              experts_outside_gpu=n * e - max(m_e, 0) // s_e)
     )  # fmt: skip
-    if embedding_in_host:
+    if in_host:
         m_e += weights.embedding_bytes
         resident -= weights.embedding_bytes
     one_layer_topk = k * s_e
@@ -268,7 +269,7 @@ def make_plan(
             f"; the {format_bytes(weights.embedding_bytes)} token embedding is not among them: it stays in pinned host"
             " memory, where the GPU reads a token's row in place, "
             + ("as asked (embedding host)" if embedding == "host" else "since GPU slots cannot hold every expert")
-            if embedding_in_host
+            if in_host
             else ""
         ),
         f"KV = {format_bytes(parts.kv_cache_bytes)} for {parts.context_tokens} positions, A = "
@@ -357,7 +358,7 @@ def make_plan(
         "cache_bytes": cache,
         "reserve_bytes": c_safe_b,
     }
-    if embedding_in_host:
+    if in_host:
         memory_parts["language_weights_bytes"] -= weights.embedding_bytes  # held in host memory instead
     memory_parts["total_bytes"] = sum(memory_parts.values())  # <= M_avail: the budget is what M_e leaves
     return Plan(
@@ -388,7 +389,7 @@ def make_plan(
         total_expert_bytes=weights.expert_bytes,
         context_tokens=context,
         prefix_cache_bytes=parts.prefix_cache_bytes,
-        embedding_in_host=embedding_in_host,
+        embedding_in_host=in_host,
         why=why,
         warnings=warnings,
     )
